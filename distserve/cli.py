@@ -1,0 +1,136 @@
+"""The `distserve` command: up (start everything), demo (start, answer, stop), generate (stream an answer)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+import grpc
+
+from distserve.engine.model_loader import resolve_model_path
+from distserve.launcher import Cluster, ClusterSpec
+from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="HF model folder, or default[:small|tiny]")
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--router-port", type=int, default=50051)
+    parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    parser.add_argument("--log-dir", default="", help="where each process writes its log")
+
+
+def _spec(args) -> ClusterSpec:
+    # Build (or find) the model once here, so the workers only load it.
+    return ClusterSpec(model=resolve_model_path(args.model), num_prefill=args.prefill, num_decode=args.decode,
+                       router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir)
+
+
+def _print_addresses(cluster: Cluster) -> None:
+    print(f"redis     {cluster.redis_url}")
+    for name, process in cluster.processes.items():
+        if process.address:
+            print(f"{name:<9} grpc://{process.address}")
+    print(f"logs      {cluster.log_dir}", flush=True)
+
+
+async def stream_generate(address: str, prompt: str, max_tokens: int, temperature: float, seed: int | None,
+                          out=sys.stdout) -> router_pb2.GenerateResponse:
+    """Streams one answer to `out`; returns the last message (finish reason, usage, timings)."""
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    if seed is not None:
+        sampling.seed = seed
+    last = None
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        async for message in stub.Generate(router_pb2.GenerateRequest(text=prompt, sampling=sampling)):
+            out.write(message.text)
+            out.flush()
+            last = message
+    out.write("\n")
+    return last
+
+
+def _print_summary(last: router_pb2.GenerateResponse, wall_s: float) -> None:
+    t = last.timings
+    reason = common_pb2.FinishReason.Name(last.finish_reason)
+    print(f"[{reason} | prompt {last.usage.prompt_tokens} tokens, completion {last.usage.completion_tokens} "
+          f"| first token {t.first_token_s * 1000:.1f} ms (queue {t.queue_s * 1000:.1f}, prefill "
+          f"{t.prefill_s * 1000:.1f}), transfer {t.transfer_s * 1000:.1f} ms, decode {t.decode_s * 1000:.1f} ms, "
+          f"end to end {wall_s * 1000:.1f} ms]", file=sys.stderr)
+
+
+def _generate(args) -> int:
+    started = time.monotonic()
+    try:
+        last = asyncio.run(stream_generate(args.router, args.prompt, args.max_tokens, args.temperature, args.seed))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    _print_summary(last, time.monotonic() - started)
+    return 0
+
+
+def _up(args) -> int:
+    cluster = Cluster(_spec(args))
+    stop = False
+
+    def on_signal(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster.start()
+    try:
+        _print_addresses(cluster)
+        print("ready; Ctrl-C stops everything", flush=True)
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _demo(args) -> int:
+    cluster = Cluster(_spec(args)).start()
+    try:
+        _print_addresses(cluster)
+        args.router = cluster.router_address
+        print(f"\n> {args.prompt}", flush=True)
+        return _generate(args)
+    finally:
+        cluster.stop()
+
+
+def _add_generate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    parser = argparse.ArgumentParser(prog="distserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start Redis, kvbroker, workers and router; run until Ctrl-C")
+    _add_cluster_args(up)
+    demo = commands.add_parser("demo", help="start everything, stream one answer, stop")
+    _add_cluster_args(demo)
+    demo.add_argument("prompt", nargs="?", default="Once upon a time")
+    _add_generate_args(demo)
+    gen = commands.add_parser("generate", help="stream an answer from a running router")
+    gen.add_argument("prompt")
+    gen.add_argument("--router", default="127.0.0.1:50051")
+    _add_generate_args(gen)
+    args = parser.parse_args(argv)
+    return {"up": _up, "demo": _demo, "generate": _generate}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

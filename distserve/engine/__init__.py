@@ -1,0 +1,1 @@
+"""The inference engine shared by prefill, decode and (later) colocated serving."""

@@ -1,0 +1,99 @@
+"""Sampling parameters, token sampling and the per-token finish rule.
+
+Seeded sampling is reproducible anywhere: the random stream for the n-th
+completion token depends only on (seed, n), so prefill and decode workers, or
+a retry on another worker, draw the same token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens; validated by the router before it reaches an engine."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: [V] -> logits with everything outside top-k / nucleus set to -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (keeps at least one)
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, -1)) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+    return logits
+
+
+def banned_token_ids(params: SamplingParams, eos_ids: tuple[int, ...], num_generated: int) -> list[int]:
+    """Tokens that may not be drawn yet because min_tokens is not reached."""
+    if num_generated >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned += list(eos_ids)
+    return banned
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, index: int, banned: list[int]) -> int:
+    """Draws completion token number `index` (0-based) from logits [V] (float32)."""
+    if banned:
+        logits = logits.clone()
+        logits[banned] = float("-inf")
+    if params.is_greedy:
+        return int(torch.argmax(logits))
+    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(logits, -1)
+    generator = _generator(params.seed if params.seed is not None else 0, index)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def finish_reason_for(
+    token: int,
+    num_generated: int,
+    total_len: int,
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    max_context: int,
+) -> FinishReason | None:
+    """Whether the request ends with `token`, its num_generated-th completion token.
+
+    total_len counts prompt and completion tokens so far (including `token`).
+    """
+    if num_generated >= params.min_tokens:
+        if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+            return FinishReason.STOP
+    if num_generated >= params.max_tokens or total_len >= max_context:
+        return FinishReason.LENGTH
+    return None

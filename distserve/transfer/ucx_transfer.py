@@ -1,0 +1,159 @@
+"""KV transfer over UCX (ucxx): the prefill side serves, the decode side pulls.
+
+Protocol on one endpoint, strictly request/response (the receiver serialises
+its fetches per peer with a lock, so messages never interleave):
+    decode -> prefill  header: 64 bytes, the handle id (ASCII, NUL padded)
+    prefill -> decode  size:   int64, the buffer's byte count, or -1 if unknown
+    prefill -> decode  data:   the KV buffer itself (zero-copy from the tensor)
+    decode -> prefill  ack:    int64, 1 once the bytes are in place
+The sender frees the buffer on the ack. Endpoints are kept per peer and
+re-created after an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 64
+
+
+def _ucxx():
+    # Imported lazily: only processes that move KV load UCX (the broker never does).
+    import ucxx
+
+    return ucxx
+
+
+def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a contiguous CPU tensor, for any dtype (bf16 included)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclasses.dataclass
+class TransferCounters:
+    num_transfers: int = 0
+    num_bytes: int = 0
+
+
+class KvSender:
+    """Serves KV buffers held by this worker to decode workers that ask by handle id."""
+
+    def __init__(
+        self,
+        lookup: Callable[[str], torch.Tensor | None],
+        on_sent: Callable[[str], None],
+    ) -> None:
+        self._lookup = lookup
+        self._on_sent = on_sent
+        self._listener = None
+        self.counters = TransferCounters()
+
+    def start(self, port: int = 0) -> int:
+        self._listener = _ucxx().create_listener(self._serve_endpoint, port=port)
+        return self._listener.port
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    async def _serve_endpoint(self, ep) -> None:
+        header = np.empty(HEADER_BYTES, dtype=np.uint8)
+        try:
+            while True:
+                await ep.recv(header)
+                await self._serve_one(ep, bytes(header).rstrip(b"\0").decode())
+        except asyncio.CancelledError:  # listener shutting down
+            pass
+        except Exception as exc:  # a closed peer ends its loop; nothing else depends on it
+            if not ep.closed:
+                log.warning("kv sender endpoint error: %s", exc)
+        finally:
+            if not ep.closed:
+                await ep.close()
+
+    async def _serve_one(self, ep, handle_id: str) -> None:
+        tensor = self._lookup(handle_id)
+        if tensor is None:
+            await ep.send(np.array([-1], dtype=np.int64))
+            return
+        data = _as_bytes(tensor)
+        await ep.send(np.array([data.nbytes], dtype=np.int64))
+        await ep.send(data)
+        ack = np.empty(1, dtype=np.int64)
+        await ep.recv(ack)
+        self.counters.num_transfers += 1
+        self.counters.num_bytes += data.nbytes
+        self._on_sent(handle_id)
+
+
+class TransferError(RuntimeError):
+    """The KV could not be fetched; the request cannot continue on this path."""
+
+
+class KvReceiver:
+    """Pulls KV buffers from prefill workers into caller-provided tensors."""
+
+    def __init__(self) -> None:
+        self._endpoints: dict[str, object] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.counters = TransferCounters()
+
+    async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float) -> float:
+        """Fills `out` (contiguous, CPU) with the handle's bytes; returns seconds spent."""
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            start = time.perf_counter()
+            try:
+                await asyncio.wait_for(self._fetch_locked(address, handle_id, out), timeout_s)
+            except Exception as exc:  # any failure leaves the endpoint mid-protocol: drop it
+                await self._drop(address)
+                if isinstance(exc, TransferError):
+                    raise
+                raise TransferError(f"fetch of {handle_id} from {address} failed: {exc!r}") from exc
+            return time.perf_counter() - start
+
+    async def _fetch_locked(self, address: str, handle_id: str, out: torch.Tensor) -> None:
+        ep = await self._endpoint(address)
+        header = np.zeros(HEADER_BYTES, dtype=np.uint8)
+        raw = handle_id.encode()
+        header[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        await ep.send(header)
+        size = np.empty(1, dtype=np.int64)
+        await ep.recv(size)
+        target = _as_bytes(out)
+        if int(size[0]) != target.nbytes:
+            raise TransferError(f"{handle_id}: sender has {int(size[0])} bytes, expected {target.nbytes}")
+        await ep.recv(target)
+        await ep.send(np.array([1], dtype=np.int64))
+        self.counters.num_transfers += 1
+        self.counters.num_bytes += target.nbytes
+
+    async def _endpoint(self, address: str):
+        ep = self._endpoints.get(address)
+        if ep is None or ep.closed:
+            host, _, port = address.rpartition(":")
+            ep = await _ucxx().create_endpoint(host, int(port))
+            self._endpoints[address] = ep
+        return ep
+
+    async def _drop(self, address: str) -> None:
+        ep = self._endpoints.pop(address, None)
+        if ep is not None and not ep.closed:
+            try:
+                await ep.close()
+            except Exception as exc:  # already broken; closing is best effort
+                log.debug("closing endpoint %s: %s", address, exc)
+
+    async def close(self) -> None:
+        for address in list(self._endpoints):
+            await self._drop(address)

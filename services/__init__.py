@@ -1,0 +1,1 @@
+"""The four gRPC services, each runnable alone as `python -m services.<name>`."""

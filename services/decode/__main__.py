@@ -1,0 +1,90 @@
+"""python -m services.decode: run one decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+
+import redis.asyncio as aioredis
+
+from distserve.config import parse_config
+from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.model_loader import load_model, resolve_model_path
+from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_spec import DTYPES, ModelSpec
+from distserve.grpc_server import ChannelPool, Service, run_grpc_server
+from distserve.logs import setup_logging
+from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
+from distserve.transfer.ucx_transfer import KvReceiver
+from distserve.v1 import decode_pb2_grpc, kvbroker_pb2_grpc
+from services.decode.config import DecodeConfig
+from services.decode.engine import DecodeEngine
+from services.decode.scheduler import DecodeScheduler
+from services.decode.server import DecodeServicer
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: DecodeConfig, model, spec: ModelSpec) -> DecodeEngine:
+    dtype = DTYPES[config.dtype]
+    block_bytes = spec.kv_bytes_per_token(dtype) * config.block_size
+    num_blocks = max(1, config.kv_cache_mb * 1024 * 1024 // block_bytes)
+    kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
+                            dtype, config.device)
+    scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
+    return DecodeEngine(ModelRunner(model, config.device), kv_cache, scheduler, spec.eos_token_ids,
+                        spec.max_context)
+
+
+async def serve(config: DecodeConfig) -> None:
+    path = resolve_model_path(config.model)
+    model = load_model(path, config.dtype, config.device)
+    spec = ModelSpec.from_config(model.config)
+    engine = build_engine(config, model, spec)
+    receiver = KvReceiver()
+    redis = aioredis.from_url(config.redis_url)
+    registry = WorkerRegistry(redis, config.lease_s)
+    channels = ChannelPool()
+    servicer = DecodeServicer(config, spec, engine, receiver,
+                              kvbroker_pb2_grpc.KvBrokerServiceStub(channels.get(config.broker_address)))
+    worker_id = config.resolved_worker_id
+    tasks: list[asyncio.Task] = []
+
+    def record() -> WorkerRecord:
+        allocator = engine.scheduler.allocator
+        load = {"num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
+                "free_blocks": allocator.num_free, "total_blocks": allocator.num_blocks}
+        return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load)
+
+    async def on_ready(port: int) -> None:
+        tasks.extend(asyncio.create_task(c) for c in (engine.run(), heartbeat(registry, record, config.heartbeat_s)))
+        log.info("decode worker %s ready: grpc=%s blocks=%d model=%s", worker_id, port,
+                 engine.scheduler.allocator.num_blocks, path)
+
+    async def on_shutdown() -> None:
+        tasks[-1].cancel()
+        await registry.remove("decode", worker_id)
+
+    service = Service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "distserve.v1.DecodeService")
+    try:
+        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, on_shutdown)
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await receiver.close()
+        await channels.close()
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("decode")
+    config = parse_config(DecodeConfig, argv, prefix="DISTSERVE_DECODE_")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

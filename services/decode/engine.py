@@ -1,0 +1,89 @@
+"""The decode engine loop: schedule -> run one step in a thread -> post tokens.
+
+All scheduler and allocator state is touched only on the event loop; the step
+thread reads the batch it was given and writes only those sequences' blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.model_runner import ModelRunner
+from distserve.engine.sampling import banned_token_ids, finish_reason_for, sample_token
+from services.decode.scheduler import DecodeScheduler
+from services.decode.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine:
+    def __init__(self, runner: ModelRunner, kv_cache: PagedKvCache, scheduler: DecodeScheduler,
+                 eos_ids: tuple[int, ...], max_context: int):
+        self.runner = runner
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self._eos_ids = eos_ids
+        self._max_context = max_context
+        self._wakeup = asyncio.Event()
+        self.blocks_freed = asyncio.Condition()
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self._wakeup.set()
+
+    def abort(self, seq: Sequence) -> None:
+        """Marks a sequence cancelled; its blocks are freed before the next step."""
+        seq.is_aborted = True
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        """Steps while there is work; runs until cancelled."""
+        while True:
+            await self._wakeup.wait()
+            used_before = self.scheduler.allocator.num_used
+            batch = self.scheduler.schedule()
+            if batch:
+                now = time.monotonic()
+                for seq in batch:
+                    seq.started_at = seq.started_at or now
+                try:
+                    tokens = await asyncio.to_thread(self._step, batch)
+                except Exception as exc:  # a failed step ends its batch's requests, not the worker
+                    log.exception("decode step failed")
+                    for seq in batch:
+                        seq.is_aborted = True
+                        seq.outputs.put_nowait(exc)
+                    tokens = None
+                if tokens is not None:
+                    self._postprocess(batch, tokens)
+            if self.scheduler.allocator.num_used < used_before or not batch:
+                async with self.blocks_freed:
+                    self.blocks_freed.notify_all()
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+
+    def _step(self, batch: list[Sequence]) -> list[int]:
+        logits = self.runner.decode(
+            self.kv_cache, [s.block_table for s in batch], [s.context_len for s in batch],
+            [s.tokens[-1] for s in batch],
+        )
+        tokens = []
+        for b, seq in enumerate(batch):
+            banned = banned_token_ids(seq.params, self._eos_ids, seq.num_generated)
+            tokens.append(sample_token(logits[b], seq.params, seq.num_generated, banned))
+        return tokens
+
+    def _postprocess(self, batch: list[Sequence], tokens: list[int]) -> None:
+        for seq, token in zip(batch, tokens):
+            if seq.is_aborted:
+                continue
+            seq.tokens.append(token)
+            seq.finish_reason = finish_reason_for(
+                token, seq.num_generated, len(seq.tokens), seq.params, self._eos_ids, self._max_context
+            )
+            seq.outputs.put_nowait(([token], seq.finish_reason))
+        for seq in self.scheduler.retire_finished():
+            seq.finished_at = time.monotonic()

@@ -1,0 +1,160 @@
+"""The decode gRPC servicer: claim the handle, reserve blocks, pull KV, stream tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import torch
+
+from distserve.convert import finish_to_proto, sampling_from_proto
+from distserve.engine.model_spec import DTYPES, ModelSpec
+from distserve.transfer.ucx_transfer import KvReceiver, TransferError
+from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2, kvbroker_pb2_grpc
+from services.decode.config import DecodeConfig
+from services.decode.engine import DecodeEngine
+from services.decode.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def request_error(request, spec: ModelSpec) -> str | None:
+    if not request.kv_handle_id:
+        return "kv_handle_id: required"
+    if not request.prompt_token_ids:
+        return "prompt_token_ids: must not be empty"
+    if not 0 <= request.first_token_id < spec.vocab_size:
+        return f"first_token_id: {request.first_token_id} is outside the vocabulary"
+    if request.sampling.HasField("max_tokens") and request.sampling.max_tokens <= 0:
+        return "sampling.max_tokens: must be > 0"
+    return None
+
+
+def layout_error(layout: common_pb2.KvLayout, spec: ModelSpec, dtype: str, prompt_len: int) -> str | None:
+    expected = (spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, prompt_len)
+    got = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.num_tokens)
+    return None if expected == got else f"KV layout {got} does not match this worker {expected}"
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, config: DecodeConfig, spec: ModelSpec, engine: DecodeEngine, receiver: KvReceiver,
+                 broker: kvbroker_pb2_grpc.KvBrokerServiceStub):
+        self._config = config
+        self._spec = spec
+        self._engine = engine
+        self._receiver = receiver
+        self._broker = broker
+        self._background: set[asyncio.Task] = set()
+
+    async def Decode(self, request, context):
+        error = request_error(request, self._spec)
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        handle = await self._claim(request, context)
+        prompt = list(request.prompt_token_ids)
+        params = sampling_from_proto(request.sampling)
+        seq = Sequence(request.request_id, prompt + [request.first_token_id], len(prompt), params, [],
+                       asyncio.Queue())
+        in_engine = released = False
+        try:
+            seq.block_table = await self._reserve_blocks(len(prompt), params.max_tokens, context)
+            transfer_s = await self._load_kv(handle, seq, context)
+            self._release(request.kv_handle_id, "received")
+            released = True
+            seq.loaded_at = time.monotonic()
+            self._engine.add(seq)
+            in_engine = True
+            async for response in self._stream(seq, transfer_s):
+                yield response
+        finally:
+            if not released:
+                self._release(request.kv_handle_id, "cancelled")
+            if in_engine:
+                if seq.finish_reason is None:
+                    self._engine.abort(seq)
+            else:
+                self._engine.scheduler.allocator.free(seq.block_table)
+
+    async def _claim(self, request, context) -> kvbroker_pb2.KvHandle:
+        try:
+            reply = await self._broker.ClaimHandle(
+                kvbroker_pb2.ClaimHandleRequest(handle_id=request.kv_handle_id,
+                                                claimant_worker_id=self._config.resolved_worker_id),
+                timeout=self._config.rpc_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND,
+                                                grpc.StatusCode.FAILED_PRECONDITION) else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"claim of kv_handle_id {request.kv_handle_id} failed: {exc.details()}")
+        error = layout_error(reply.handle.layout, self._spec, self._config.dtype, len(request.prompt_token_ids))
+        if error:
+            self._release(request.kv_handle_id, "layout mismatch")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
+        return reply.handle
+
+    async def _reserve_blocks(self, prompt_len: int, max_tokens: int, context) -> list[int]:
+        allocator = self._engine.scheduler.allocator
+        needed = self._engine.scheduler.blocks_for(prompt_len, max_tokens)
+        if needed > allocator.num_blocks:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"request needs {needed} KV blocks; this worker has {allocator.num_blocks}")
+        try:
+            async with self._engine.blocks_freed:
+                await asyncio.wait_for(self._engine.blocks_freed.wait_for(lambda: allocator.can_allocate(needed)),
+                                       self._config.admission_timeout_s)
+                return allocator.allocate(needed)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no {needed} free KV blocks in time")
+
+    async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, context) -> float:
+        layout = handle.layout
+        staging = torch.empty((layout.num_layers, 2, layout.num_kv_heads, layout.num_tokens, layout.head_dim),
+                              dtype=DTYPES[layout.dtype])
+        try:
+            transfer_s = await self._receiver.fetch(handle.owner_ucx_address, handle.handle_id, staging,
+                                                    self._config.transfer_timeout_s)
+        except TransferError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._engine.kv_cache.write_prompt(seq.block_table, staging.to(self._engine.kv_cache.storage.device))
+        log.info("kv_load request_id=%s handle=%s bytes=%d seconds=%.4f gbps=%.3f", seq.request_id,
+                 handle.handle_id, layout.num_bytes, transfer_s, layout.num_bytes / max(transfer_s, 1e-9) / 1e9)
+        return transfer_s
+
+    async def _stream(self, seq: Sequence, transfer_s: float):
+        while True:
+            item = await seq.outputs.get()
+            if isinstance(item, Exception):
+                raise item
+            token_ids, finish = item
+            while finish is None and not seq.outputs.empty():
+                more, finish = seq.outputs.get_nowait()
+                token_ids = token_ids + more
+            response = decode_pb2.DecodeResponse(token_ids=token_ids, finish_reason=finish_to_proto(finish))
+            if finish is not None:
+                response.timings.CopyFrom(common_pb2.Timings(
+                    transfer_s=transfer_s, decode_queue_s=seq.started_at - seq.loaded_at,
+                    decode_s=seq.finished_at - seq.started_at))
+            yield response
+            if finish is not None:
+                return
+
+    def _release(self, handle_id: str, reason: str) -> None:
+        """Releases the handle in the background; runs even while this call is being cancelled."""
+        task = asyncio.ensure_future(self._broker.ReleaseHandle(
+            kvbroker_pb2.ReleaseHandleRequest(handle_id=handle_id, reason=reason),
+            timeout=self._config.rpc_timeout_s))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def GetDecodeStats(self, request, context):
+        scheduler = self._engine.scheduler
+        return decode_pb2.GetDecodeStatsResponse(
+            worker_id=self._config.resolved_worker_id,
+            kv_bytes_received=self._receiver.counters.num_bytes,
+            kv_transfers_received=self._receiver.counters.num_transfers,
+            num_used_blocks=scheduler.allocator.num_used, num_total_blocks=scheduler.allocator.num_blocks,
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            max_running=scheduler.max_running_seen,
+        )

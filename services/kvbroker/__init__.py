@@ -1,0 +1,1 @@
+"""kvbroker: KV-cache handle metadata in Redis; sets up prefill -> decode UCX transfers."""

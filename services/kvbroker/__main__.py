@@ -1,0 +1,37 @@
+"""python -m services.kvbroker: run the kvbroker."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import redis.asyncio as aioredis
+
+from distserve.config import parse_config
+from distserve.grpc_server import Service, run_grpc_server
+from distserve.logs import setup_logging
+from distserve.v1 import kvbroker_pb2_grpc
+from services.kvbroker.config import KvBrokerConfig
+from services.kvbroker.server import KvBrokerServicer
+from services.kvbroker.store import HandleStore
+
+
+async def serve(config: KvBrokerConfig) -> None:
+    redis = aioredis.from_url(config.redis_url)
+    servicer = KvBrokerServicer(HandleStore(redis), config)
+    service = Service(kvbroker_pb2_grpc.add_KvBrokerServiceServicer_to_server, servicer,
+                      "distserve.v1.KvBrokerService")
+    try:
+        await run_grpc_server(f"{config.host}:{config.port}", [service])
+    finally:
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("kvbroker")
+    config = parse_config(KvBrokerConfig, argv, prefix="DISTSERVE_KVBROKER_")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""kvbroker settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distserve.config import require, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class KvBrokerConfig:
+    """kvbroker: keeps KV handle metadata (owner, layout, state, lease) in Redis."""
+
+    host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
+    port: int = setting(50060, "gRPC port")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding handles", env="DISTSERVE_REDIS_URL")
+    default_lease_s: float = setting(30.0, "handle lease when the owner gives none")
+    claim_lease_s: float = setting(30.0, "lease extension once a decode worker claims a handle")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(self.default_lease_s > 0, "default_lease_s", "must be > 0")
+        require(self.claim_lease_s > 0, "claim_lease_s", "must be > 0")

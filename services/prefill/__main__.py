@@ -1,0 +1,93 @@
+"""python -m services.prefill: run one prefill worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+
+import redis.asyncio as aioredis
+
+from distserve.config import parse_config
+from distserve.engine.model_loader import load_model, resolve_model_path
+from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_spec import ModelSpec
+from distserve.grpc_server import ChannelPool, Service, run_grpc_server
+from distserve.logs import setup_logging
+from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
+from distserve.transfer.ucx_transfer import KvSender
+from distserve.v1 import kvbroker_pb2_grpc, prefill_pb2_grpc
+from services.kvbroker.store import release_channel
+from services.prefill.batcher import PrefillBatcher
+from services.prefill.config import PrefillConfig
+from services.prefill.held_kv import HeldKv
+from services.prefill.server import PrefillServicer
+
+log = logging.getLogger(__name__)
+
+
+async def follow_releases(redis: aioredis.Redis, worker_id: str, held: HeldKv) -> None:
+    """Frees held KV when the broker announces its release (decode done, or cancelled)."""
+    async with redis.pubsub() as pubsub:
+        await pubsub.subscribe(release_channel(worker_id))
+        async for message in pubsub.listen():
+            if message["type"] == "message":
+                held.free(message["data"].decode())
+
+
+async def serve(config: PrefillConfig) -> None:
+    path = resolve_model_path(config.model)
+    model = load_model(path, config.dtype, config.device)
+    spec = ModelSpec.from_config(model.config)
+    batcher = PrefillBatcher(ModelRunner(model, config.device), spec.eos_token_ids, spec.max_context,
+                             config.max_batch_tokens)
+    held = HeldKv()
+    sender = KvSender(lookup=held.lookup, on_sent=held.free)
+    ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
+    redis = aioredis.from_url(config.redis_url)
+    registry = WorkerRegistry(redis, config.lease_s)
+    channels = ChannelPool()
+    servicer = PrefillServicer(config, spec, config.dtype, batcher, held, sender,
+                               kvbroker_pb2_grpc.KvBrokerServiceStub(channels.get(config.broker_address)),
+                               ucx_address)
+    worker_id = config.resolved_worker_id
+    tasks: list[asyncio.Task] = []
+
+    def record() -> WorkerRecord:
+        load = {"outstanding_tokens": batcher.outstanding_tokens, "num_waiting": batcher.num_waiting,
+                "held_bytes": held.num_bytes}
+        return WorkerRecord(worker_id, "prefill", f"{config.advertise_host}:{config.port}", ucx_address, load)
+
+    async def on_ready(port: int) -> None:
+        tasks.extend(asyncio.create_task(c) for c in (
+            batcher.run(), held.run_expiry(), follow_releases(redis, worker_id, held),
+            heartbeat(registry, record, config.heartbeat_s)))
+        log.info("prefill worker %s ready: grpc=%s ucx=%s model=%s", worker_id, port, ucx_address, path)
+
+    async def on_shutdown() -> None:
+        tasks[-1].cancel()  # stop heartbeats before deregistering
+        await registry.remove("prefill", worker_id)
+
+    service = Service(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer,
+                      "distserve.v1.PrefillService")
+    try:
+        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, on_shutdown)
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        sender.stop()
+        await channels.close()
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("prefill")
+    config = parse_config(PrefillConfig, argv, prefix="DISTSERVE_PREFILL_")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

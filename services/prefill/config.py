@@ -1,0 +1,40 @@
+"""prefill worker settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distserve.config import require, setting
+from distserve.engine.model_spec import DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """prefill worker: runs prompts and serves their KV caches over UCX."""
+
+    host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
+    port: int = setting(50070, "gRPC port")
+    advertise_host: str = setting("127.0.0.1", "host other services use to reach this worker")
+    ucx_port: int = setting(0, "UCX listener port (0: any free port)")
+    worker_id: str = setting("", "unique worker id (default: prefill-<host>-<port>)")
+    model: str = setting("default", "HF model folder, or default[:small|tiny]", env="DISTSERVE_MODEL")
+    dtype: str = setting("float32", "model dtype", env="DISTSERVE_DTYPE")
+    device: str = setting("cpu", "torch device", env="DISTSERVE_DEVICE")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
+    broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
+    max_batch_tokens: int = setting(2048, "saturation length: padded prompt tokens per forward batch")
+    kv_lease_s: float = setting(30.0, "free a held KV this long after registering if no one claims it")
+    heartbeat_s: float = setting(1.0, "registry heartbeat interval")
+    lease_s: float = setting(3.0, "registry lease: the worker vanishes this long after its last heartbeat")
+    rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        require(self.max_batch_tokens > 0, "max_batch_tokens", "must be > 0")
+        require(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
+        require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"prefill-{self.advertise_host}-{self.port}"

@@ -1,0 +1,102 @@
+"""The prefill gRPC servicer: validate, batch, hold the KV, register it with the broker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from distserve.convert import finish_to_proto, sampling_from_proto
+from distserve.engine.model_spec import ModelSpec
+from distserve.transfer.ucx_transfer import KvSender
+from distserve.v1 import common_pb2, kvbroker_pb2, kvbroker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.prefill.batcher import PrefillBatcher
+from services.prefill.config import PrefillConfig
+from services.prefill.held_kv import HeldKv
+
+log = logging.getLogger(__name__)
+
+
+def prompt_error(tokens, spec: ModelSpec) -> str | None:
+    """Why a prompt cannot be served, or None. The router checks first; this guards direct callers."""
+    if not tokens:
+        return "prompt_token_ids: must not be empty"
+    if len(tokens) >= spec.max_context:
+        return f"prompt_token_ids: {len(tokens)} tokens leave no room in the context of {spec.max_context}"
+    bad = next((t for t in tokens if not 0 <= t < spec.vocab_size), None)
+    if bad is not None:
+        return f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {spec.vocab_size})"
+    return None
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, config: PrefillConfig, spec: ModelSpec, dtype_name: str, batcher: PrefillBatcher,
+                 held: HeldKv, sender: KvSender, broker: kvbroker_pb2_grpc.KvBrokerServiceStub,
+                 ucx_address: str):
+        self._config = config
+        self._spec = spec
+        self._dtype_name = dtype_name
+        self._batcher = batcher
+        self._held = held
+        self._sender = sender
+        self._broker = broker
+        self._ucx_address = ucx_address
+
+    async def Prefill(self, request, context):
+        params = sampling_from_proto(request.sampling)
+        error = prompt_error(request.prompt_token_ids, self._spec)
+        if error or params.max_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error or "sampling.max_tokens: must be > 0")
+        prompt = list(request.prompt_token_ids)
+        result = await self._batcher.submit(prompt, params)
+        timings = common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s)
+        response = prefill_pb2.PrefillResponse(
+            request_id=request.request_id, first_token_id=result.first_token,
+            finish_reason=finish_to_proto(result.finish_reason), timings=timings,
+        )
+        log.info("prefill request_id=%s tokens=%d queue_s=%.4f prefill_s=%.4f", request.request_id,
+                 len(prompt), result.queue_s, result.prefill_s)
+        if result.finish_reason is not None:
+            return response
+        response.kv_handle_id = uuid.uuid4().hex
+        response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))
+        await self._register(request.request_id, response, result.kv, context)
+        return response
+
+    def _layout(self, num_tokens: int, kv) -> common_pb2.KvLayout:
+        return common_pb2.KvLayout(
+            num_layers=self._spec.num_layers, num_kv_heads=self._spec.num_kv_heads,
+            head_dim=self._spec.head_dim, num_tokens=num_tokens, dtype=self._dtype_name,
+            num_bytes=kv.numel() * kv.element_size(),
+        )
+
+    async def _register(self, request_id: str, response, kv, context) -> None:
+        """Holds the KV, then records the handle; undoes both if registration fails."""
+        handle_id = response.kv_handle_id
+        self._held.add(handle_id, kv, self._config.kv_lease_s)
+        handle = kvbroker_pb2.KvHandle(
+            handle_id=handle_id, request_id=request_id, owner_worker_id=self._config.resolved_worker_id,
+            owner_ucx_address=self._ucx_address, layout=response.kv_layout,
+        )
+        try:
+            await self._broker.RegisterHandle(
+                kvbroker_pb2.RegisterHandleRequest(handle=handle, lease_s=self._config.kv_lease_s),
+                timeout=self._config.rpc_timeout_s,
+            )
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            self._held.free(handle_id)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"kvbroker register failed: {exc.details()}")
+
+    async def GetPrefillStats(self, request, context):
+        return prefill_pb2.GetPrefillStatsResponse(
+            worker_id=self._config.resolved_worker_id,
+            kv_bytes_sent=self._sender.counters.num_bytes,
+            kv_transfers_sent=self._sender.counters.num_transfers,
+            num_held_handles=self._held.num_held, held_bytes=self._held.num_bytes,
+            num_waiting=self._batcher.num_waiting, num_batches=self._batcher.num_batches,
+            max_batch_size=self._batcher.max_batch_size,
+        )

@@ -1,0 +1,57 @@
+"""python -m services.router: run the router."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+
+import redis.asyncio as aioredis
+
+from distserve.config import parse_config
+from distserve.engine.model_loader import load_tokenizer, resolve_model_path
+from distserve.engine.model_spec import load_model_spec
+from distserve.grpc_server import ChannelPool, Service, run_grpc_server
+from distserve.logs import setup_logging
+from distserve.registry import WorkerRegistry
+from distserve.v1 import router_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.picker import WorkerPicker
+from services.router.server import RouterServicer
+
+log = logging.getLogger(__name__)
+
+
+async def serve(config: RouterConfig) -> None:
+    path = resolve_model_path(config.model)
+    redis = aioredis.from_url(config.redis_url)
+    picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s)
+    channels = ChannelPool()
+    servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels)
+    tasks: list[asyncio.Task] = []
+
+    async def on_ready(port: int) -> None:
+        tasks.append(asyncio.create_task(picker.run_refresh(config.registry_refresh_s)))
+        log.info("router ready: grpc=%s model=%s", port, path)
+
+    service = Service(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "distserve.v1.RouterService")
+    try:
+        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready)
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await channels.close()
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("router")
+    config = parse_config(RouterConfig, argv, prefix="DISTSERVE_ROUTER_")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""router settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distserve.config import require, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """router: public streaming Generate API in front of prefill and decode workers."""
+
+    host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
+    port: int = setting(50051, "gRPC port")
+    model: str = setting("default", "HF model folder (tokenizer and limits)", env="DISTSERVE_MODEL")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
+    broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
+    request_timeout_s: float = setting(600.0, "deadline for one request's worker calls")
+    registry_refresh_s: float = setting(0.5, "how often to re-read the worker registry")
+    suspect_s: float = setting(5.0, "skip a worker this long after a call to it failed to connect")
+    rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        require(self.registry_refresh_s > 0, "registry_refresh_s", "must be > 0")

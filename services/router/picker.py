@@ -1,0 +1,69 @@
+"""Choosing workers: least-loaded from the live registry, corrected by this router's own in-flight work.
+
+Registry load figures are up to one heartbeat old, so the router adds what it
+has sent since: outstanding prompt tokens for prefill, open streams for decode.
+A worker whose call failed to connect is skipped for `suspect_s` seconds (its
+registry entry may outlive it by up to one lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from distserve.registry import WorkerRecord, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class WorkerPicker:
+    def __init__(self, registry: WorkerRegistry, suspect_s: float):
+        self._registry = registry
+        self._suspect_s = suspect_s
+        self._workers: dict[str, list[WorkerRecord]] = {"prefill": [], "decode": []}
+        self._inflight: collections.Counter[str] = collections.Counter()
+        self._suspect_until: dict[str, float] = {}
+
+    async def refresh(self) -> None:
+        for role in self._workers:
+            self._workers[role] = await self._registry.list(role)
+
+    async def run_refresh(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("registry refresh failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    def workers(self, role: str) -> list[WorkerRecord]:
+        now = time.monotonic()
+        return [w for w in self._workers[role] if self._suspect_until.get(w.worker_id, 0) <= now]
+
+    def pick_prefill(self) -> WorkerRecord | None:
+        return min(self.workers("prefill"), default=None,
+                   key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id])
+
+    def pick_decode(self) -> WorkerRecord | None:
+        def score(w: WorkerRecord):
+            running = w.load.get("num_running", 0) + w.load.get("num_waiting", 0)
+            return (running + self._inflight[w.worker_id], -w.load.get("free_blocks", 0))
+        return min(self.workers("decode"), default=None, key=score)
+
+    @contextlib.contextmanager
+    def track(self, worker: WorkerRecord, amount: int):
+        """Counts `amount` of work as in flight on worker for the duration of the block."""
+        self._inflight[worker.worker_id] += amount
+        try:
+            yield
+        finally:
+            self._inflight[worker.worker_id] -= amount
+
+    def mark_suspect(self, worker: WorkerRecord) -> None:
+        log.warning("worker %s unreachable; skipping it for %.1fs", worker.worker_id, self._suspect_s)
+        self._suspect_until[worker.worker_id] = time.monotonic() + self._suspect_s

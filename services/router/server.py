@@ -1,0 +1,163 @@
+"""The router's Generate servicer: one request through prefill and decode, streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+import uuid
+
+import grpc
+
+from distserve.convert import finish_from_proto, finish_to_proto, sampling_to_proto
+from distserve.engine.model_spec import ModelSpec
+from distserve.engine.sampling import FinishReason, SamplingParams
+from distserve.grpc_server import ChannelPool
+from distserve.registry import WorkerRecord
+from distserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2, kvbroker_pb2_grpc,
+                          prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc)
+from services.router.config import RouterConfig
+from services.router.picker import WorkerPicker
+from services.router.text_stream import TextStream
+from services.router.validation import InvalidRequest, validate_request
+
+log = logging.getLogger(__name__)
+
+# Worker errors that describe the request itself are passed to the client as they are.
+_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    text: TextStream
+    started: float
+    num_completion: int = 0
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, config: RouterConfig, tokenizer, spec: ModelSpec, picker: WorkerPicker,
+                 channels: ChannelPool):
+        self._config = config
+        self._tokenizer = tokenizer
+        self._spec = spec
+        self._picker = picker
+        self._channels = channels
+        self._broker = kvbroker_pb2_grpc.KvBrokerServiceStub(channels.get(config.broker_address))
+        self._background: set[asyncio.Task] = set()
+
+    async def Generate(self, request, context):
+        try:
+            prompt, params = validate_request(request, self._tokenizer, self._spec)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not params.is_greedy and params.seed is None:
+            params = dataclasses.replace(params, seed=secrets.randbits(63))  # reproducible from the trace
+        req = _Request(request.request_id or uuid.uuid4().hex, prompt, params,
+                       TextStream(self._tokenizer, params.stop), time.monotonic())
+        prefill_worker, decode_worker = await self._pick(context)
+        # The decode worker counts as loaded from the moment it is chosen, so concurrent
+        # requests spread out instead of all seeing the same idle worker.
+        with self._picker.track(decode_worker, 1):
+            async for message in self._run(req, prefill_worker, decode_worker, context):
+                yield message
+
+    async def _run(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord, context):
+        with self._picker.track(prefill_worker, len(req.prompt)):
+            first = await self._prefill(req, prefill_worker, context)
+        log.info("route request_id=%s prefill=%s decode=%s prompt_tokens=%d", req.request_id,
+                 prefill_worker.worker_id, decode_worker.worker_id, len(req.prompt))
+        handed_to_decode = False
+        try:
+            timings = common_pb2.Timings()
+            timings.MergeFrom(first.timings)
+            timings.first_token_s = time.monotonic() - req.started
+            finish = finish_from_proto(first.finish_reason)
+            message = self._chunk(req, [first.first_token_id], finish, timings)
+            message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
+            yield message
+            if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                return
+            handed_to_decode = True
+            async for message in self._decode(req, first, decode_worker, timings, context):
+                yield message
+        finally:
+            if first.kv_handle_id and not handed_to_decode:
+                self._release(first.kv_handle_id)
+
+    async def _pick(self, context) -> tuple[WorkerRecord, WorkerRecord]:
+        prefill_worker, decode_worker = self._picker.pick_prefill(), self._picker.pick_decode()
+        if prefill_worker is None or decode_worker is None:
+            missing = "prefill" if prefill_worker is None else "decode"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no {missing} worker is available")
+        return prefill_worker, decode_worker
+
+    async def _prefill(self, req: _Request, worker: WorkerRecord, context) -> prefill_pb2.PrefillResponse:
+        stub = prefill_pb2_grpc.PrefillServiceStub(self._channels.get(worker.address))
+        call = prefill_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
+                                          sampling=sampling_to_proto(req.params))
+        try:
+            return await stub.Prefill(call, timeout=self._config.request_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            await self._abort_for(exc, worker, "prefill", context)
+
+    async def _decode(self, req: _Request, first, worker: WorkerRecord, timings, context):
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channels.get(worker.address))
+        call = stub.Decode(decode_pb2.DecodeRequest(
+            request_id=req.request_id, kv_handle_id=first.kv_handle_id, prompt_token_ids=req.prompt,
+            first_token_id=first.first_token_id, sampling=sampling_to_proto(req.params),
+        ), timeout=self._config.request_timeout_s)
+        try:
+            async for response in call:
+                finish = finish_from_proto(response.finish_reason)
+                if finish is not None:
+                    timings.MergeFrom(response.timings)
+                message = self._chunk(req, list(response.token_ids), finish, timings)
+                yield message
+                if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    if finish is None:
+                        call.cancel()  # a stop string ended the request before the worker did
+                    return
+        except grpc.aio.AioRpcError as exc:
+            await self._abort_for(exc, worker, "decode", context)
+        finally:
+            call.cancel()
+
+    def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None,
+               timings: common_pb2.Timings) -> router_pb2.GenerateResponse:
+        req.num_completion += len(token_ids)
+        text = req.text.add(token_ids)
+        if req.text.stopped:
+            finish = FinishReason.STOP
+        if finish is not None:
+            text += req.text.flush()
+        message = router_pb2.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text,
+                                              finish_reason=finish_to_proto(finish))
+        if finish is not None:
+            message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt),
+                                                    completion_tokens=req.num_completion))
+            message.timings.CopyFrom(timings)
+            log.info("finish request_id=%s reason=%s completion_tokens=%d e2e_s=%.4f", req.request_id,
+                     finish.value, req.num_completion, time.monotonic() - req.started)
+        return message
+
+    async def _abort_for(self, exc: grpc.aio.AioRpcError, worker: WorkerRecord, stage: str, context) -> None:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self._picker.mark_suspect(worker)
+        if code not in _PASS_THROUGH:
+            code = grpc.StatusCode.UNAVAILABLE
+        await context.abort(code, f"{stage} worker {worker.worker_id}: {exc.details()}")
+
+    def _release(self, handle_id: str) -> None:
+        """Releases a KV handle no decode worker will claim (cancelled or failed before decode)."""
+        task = asyncio.ensure_future(self._broker.ReleaseHandle(
+            kvbroker_pb2.ReleaseHandleRequest(handle_id=handle_id, reason="cancelled"),
+            timeout=self._config.rpc_timeout_s))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

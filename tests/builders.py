@@ -1,0 +1,73 @@
+"""Builders shared by tests: requests, clients and the reference generator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import torch
+
+from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+def sampling(max_tokens: int = 16, temperature: float = 0.0, **kwargs) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, **kwargs)
+
+
+def token_request(ids: list[int], **kwargs) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids), sampling=sampling(**kwargs))
+
+
+@dataclasses.dataclass
+class Answer:
+    token_ids: list[int]
+    text: str
+    messages: list[router_pb2.GenerateResponse]
+
+    @property
+    def last(self) -> router_pb2.GenerateResponse:
+        return self.messages[-1]
+
+
+def generate(address: str, request: router_pb2.GenerateRequest, timeout: float = 300) -> Answer:
+    with grpc.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        messages = list(stub.Generate(request, timeout=timeout))
+    ids = [t for m in messages for t in m.token_ids]
+    return Answer(ids, "".join(m.text for m in messages), messages)
+
+
+@dataclasses.dataclass
+class Reference:
+    """Greedy tokens from transformers' generate, with each step's top-2 logit gap."""
+
+    token_ids: list[int]
+    top2_gaps: list[float]
+    top2_ids: list[tuple[int, int]]
+
+
+def reference_generate(model, prompt: list[int], max_new_tokens: int) -> Reference:
+    out = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    gaps, ids = [], []
+    for logits in out.logits:
+        top2 = torch.topk(logits[0].float(), 2)
+        gaps.append(float(top2.values[0] - top2.values[1]))
+        ids.append((int(top2.indices[0]), int(top2.indices[1])))
+    return Reference(tokens, gaps, ids)
+
+
+def compare_with_tolerance(got: list[int], ref: Reference, tie_eps: float = 1e-4) -> tuple[bool, bool]:
+    """(matches, hit_tie). At a near-tie (top-2 within tie_eps) either token is accepted and
+    comparison stops there, since batch shapes change float rounding."""
+    for i, expected in enumerate(ref.token_ids):
+        if i >= len(got):
+            return False, False
+        if ref.top2_gaps[i] < tie_eps:
+            return got[i] in ref.top2_ids[i], True
+        if got[i] != expected:
+            return False, False
+    return len(got) == len(ref.token_ids), False
