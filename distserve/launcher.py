@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -54,6 +55,8 @@ class ClusterSpec:
     prefill_base_port: int = 50070
     decode_base_port: int = 50080
     redis_port: int = 6390
+    gateway_port: int | None = 8000  # None: no HTTP gateway
+    gateway_args: list[str] = dataclasses.field(default_factory=list)
     redis_url: str = ""  # use this Redis instead of starting one
     log_dir: str = ""
     env: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -88,6 +91,7 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
         self.redis_url = spec.redis_url
+        self.gateway_url = ""
 
     def _port(self, wanted: int, offset: int = 0) -> int:
         return wanted + offset if wanted else free_port()
@@ -120,6 +124,26 @@ class Cluster:
         for process in self.processes.values():
             if process.address:
                 self.wait_healthy(process, timeout_s)
+        if spec.gateway_port is not None:
+            self._start_gateway(timeout_s)
+
+    def _start_gateway(self, timeout_s: float) -> None:
+        port = self._port(self.spec.gateway_port)
+        env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url,
+               "DISTSERVE_ROUTER_ADDRESS": self.router_address}
+        process = self._spawn("gateway", [sys.executable, "-m", "services.router.gateway", "--port", str(port),
+                                          *self.spec.gateway_args], env)
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive(process)
+            try:
+                with urllib.request.urlopen(self.gateway_url + "/version", timeout=1) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise StartError(f"gateway not up within {timeout_s}s:\n{process.log_tail()}")
 
     @property
     def broker_address(self) -> str:
@@ -200,8 +224,9 @@ class Cluster:
                 _wait(process, grace_s)
 
         names = list(self.processes)
+        phase([n for n in names if n == "gateway"])
         phase([n for n in names if n == "router"])
-        phase([n for n in names if n not in ("router", "redis")])
+        phase([n for n in names if n not in ("gateway", "router", "redis")])
         phase([n for n in names if n == "redis"])
 
 

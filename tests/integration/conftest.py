@@ -21,7 +21,7 @@ WORKER_LEASE_S = 2.0
 @pytest.fixture(scope="session")
 def cluster(tiny_model_path, tmp_path_factory):
     spec = ClusterSpec(
-        model=tiny_model_path, num_prefill=2, num_decode=2,
+        model=tiny_model_path, num_prefill=2, num_decode=2, gateway_port=None,
         router_port=0, broker_port=0, prefill_base_port=0, decode_base_port=0, redis_port=0,
         log_dir=str(tmp_path_factory.mktemp("logs")),
         prefill_args=["--max-batch-tokens", "2048", "--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5"],

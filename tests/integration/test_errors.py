@@ -1,0 +1,55 @@
+"""Bad requests get INVALID_ARGUMENT naming the field; nothing else breaks."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from distserve.v1 import router_pb2
+from tests.builders import generate, sampling, token_request
+
+CONTEXT = 2048  # the tiny model's context
+VOCAB = 4096
+
+BAD_REQUESTS = {
+    "empty text prompt": (router_pb2.GenerateRequest(text="", sampling=sampling()), "prompt"),
+    "empty token prompt": (token_request([]), "prompt"),
+    "no prompt": (router_pb2.GenerateRequest(sampling=sampling()), "prompt"),
+    "prompt longer than context": (token_request([5] * (CONTEXT + 1)), "prompt"),
+    "max_tokens zero": (token_request([5, 6], max_tokens=0), "max_tokens"),
+    "max_tokens negative": (token_request([5, 6], max_tokens=-3), "max_tokens"),
+    "temperature negative": (token_request([5, 6], temperature=-0.5), "temperature"),
+    "top_p zero": (token_request([5, 6], top_p=0.0), "top_p"),
+    "top_p above one": (token_request([5, 6], top_p=1.5), "top_p"),
+    "token id beyond vocab": (token_request([5, VOCAB]), "prompt"),
+    "negative token id": (token_request([-1, 5]), "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_is_invalid_argument_naming_field(cluster, case):
+    request, field = BAD_REQUESTS[case]
+    with pytest.raises(grpc.RpcError) as info:
+        generate(cluster.router_address, request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field + ":"), info.value.details()
+
+
+def test_good_request_still_served_after_bad_ones(cluster):
+    for request, _ in BAD_REQUESTS.values():
+        with pytest.raises(grpc.RpcError):
+            generate(cluster.router_address, request)
+    answer = generate(cluster.router_address, token_request([5, 6, 7], max_tokens=5))
+    assert len(answer.token_ids) == 5
+    assert answer.last.finish_reason == 2  # LENGTH
+
+
+def test_stop_token_and_max_tokens_one(cluster):
+    one = generate(cluster.router_address, token_request([9, 10, 11], max_tokens=1))
+    assert len(one.token_ids) == 1 and one.last.finish_reason == 2
+    full = generate(cluster.router_address, token_request([9, 10, 11], max_tokens=8, ignore_eos=True))
+    stop_at = full.token_ids[3]
+    stopped = generate(cluster.router_address,
+                       token_request([9, 10, 11], max_tokens=8, stop_token_ids=[stop_at], ignore_eos=True))
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
+    assert stopped.last.finish_reason == 1  # STOP

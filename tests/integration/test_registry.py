@@ -1,0 +1,58 @@
+"""Workers live in the registry under a lease: a killed worker leaves it and is not chosen again."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from distserve.launcher import free_port
+from tests.builders import generate, token_request
+from tests.integration.conftest import WORKER_LEASE_S, wait_for_workers
+
+
+def registered(cluster, role: str) -> set[str]:
+    client = redis.Redis.from_url(cluster.redis_url)
+    return {k.decode().rpartition(":")[2] for k in client.keys(f"distserve:worker:{role}:*")}
+
+
+def start_spares(cluster) -> set[str]:
+    """Starts one extra prefill and decode worker; returns their worker ids."""
+    args = ["--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5"]
+    ids = set()
+    for role, extra in (("prefill", []), ("decode", ["--kv-cache-mb", "16"])):
+        port = free_port()
+        process = cluster.start_service(f"{role}-spare", f"services.{role}", f"127.0.0.1:{port}", args + extra)
+        cluster.wait_healthy(process, 120)
+        ids.add(f"{role}-127.0.0.1-{port}")
+    wait_for_workers(cluster, 3, 3)
+    return ids
+
+
+def test_killed_workers_leave_registry_and_are_not_chosen(cluster):
+    spare_ids = start_spares(cluster)
+    assert spare_ids <= registered(cluster, "prefill") | registered(cluster, "decode")
+
+    killed_at = time.monotonic()
+    for name in ("prefill-spare", "decode-spare"):
+        cluster.kill(name)  # SIGKILL: no graceful deregistration
+        del cluster.processes[name]
+    while spare_ids & (registered(cluster, "prefill") | registered(cluster, "decode")):
+        assert time.monotonic() - killed_at < WORKER_LEASE_S + 1.0, "a killed worker outlived its lease"
+        time.sleep(0.05)
+    time.sleep(1.0)  # let the router re-read the registry
+
+    for i in range(6):
+        answer = generate(cluster.router_address, token_request([20 + i, 21, 22], max_tokens=3))
+        chosen = {answer.messages[0].prefill_worker, answer.messages[0].decode_worker}
+        assert not chosen & spare_ids, chosen
+        assert len(answer.token_ids) == 3
+
+
+def test_graceful_stop_deregisters_at_once(cluster):
+    spare_ids = start_spares(cluster)
+    for name in ("prefill-spare", "decode-spare"):
+        cluster.processes[name].popen.terminate()  # SIGTERM: deregister, drain, exit
+    for name in ("prefill-spare", "decode-spare"):
+        assert cluster.processes.pop(name).popen.wait(timeout=30) == 0
+    assert not spare_ids & (registered(cluster, "prefill") | registered(cluster, "decode"))
