@@ -22,13 +22,17 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
     parser.add_argument("--router-port", type=int, default=50051)
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    parser.add_argument("--gateway-port", type=int, default=8000, help="HTTP gateway port; -1: no gateway")
+    parser.add_argument("--served-model-name", default="", help="model name in the OpenAI API (default: folder)")
     parser.add_argument("--log-dir", default="", help="where each process writes its log")
 
 
 def _spec(args) -> ClusterSpec:
     # Build (or find) the model once here, so the workers only load it.
+    gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     return ClusterSpec(model=resolve_model_path(args.model), num_prefill=args.prefill, num_decode=args.decode,
-                       router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir)
+                       router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
+                       gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args)
 
 
 def _print_addresses(cluster: Cluster) -> None:
@@ -36,6 +40,8 @@ def _print_addresses(cluster: Cluster) -> None:
     for name, process in cluster.processes.items():
         if process.address:
             print(f"{name:<9} grpc://{process.address}")
+    if cluster.gateway_url:
+        print(f"gateway   {cluster.gateway_url}  (OpenAI-compatible HTTP)")
     print(f"logs      {cluster.log_dir}", flush=True)
 
 

@@ -17,7 +17,7 @@ from distserve.engine.model_spec import DTYPES, ModelSpec
 from distserve.grpc_server import ChannelPool, Service, run_grpc_server
 from distserve.logs import setup_logging
 from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
-from distserve.transfer.ucx_transfer import KvReceiver
+from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
 from distserve.v1 import decode_pb2_grpc, kvbroker_pb2_grpc
 from services.decode.config import DecodeConfig
 from services.decode.engine import DecodeEngine
@@ -38,11 +38,25 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec) -> DecodeEngine:
                         spec.max_context)
 
 
+async def preconnect(registry: WorkerRegistry, receiver: KvReceiver, interval_s: float) -> None:
+    """Keeps UCX endpoints open to every registered prefill worker, so no request pays set-up."""
+    while True:
+        try:
+            workers = await registry.list("prefill")
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("registry read failed: %s", exc)
+            workers = []
+        for address in {w.ucx_address for w in workers} - receiver.peers:
+            await receiver.connect(address)
+        await asyncio.sleep(interval_s)
+
+
 async def serve(config: DecodeConfig) -> None:
     path = resolve_model_path(config.model)
     model = load_model(path, config.dtype, config.device)
     spec = ModelSpec.from_config(model.config)
     engine = build_engine(config, model, spec)
+    init_ucx()
     receiver = KvReceiver()
     redis = aioredis.from_url(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
@@ -59,7 +73,9 @@ async def serve(config: DecodeConfig) -> None:
         return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load)
 
     async def on_ready(port: int) -> None:
-        tasks.extend(asyncio.create_task(c) for c in (engine.run(), heartbeat(registry, record, config.heartbeat_s)))
+        tasks.extend(asyncio.create_task(c) for c in (
+            engine.run(), preconnect(registry, receiver, config.heartbeat_s),
+            heartbeat(registry, record, config.heartbeat_s)))
         log.info("decode worker %s ready: grpc=%s blocks=%d model=%s", worker_id, port,
                  engine.scheduler.allocator.num_blocks, path)
 

@@ -1,0 +1,86 @@
+"""UCX KV transfer bandwidth between two processes, through the project's KvSender/KvReceiver.
+
+    python -m benchmarks.ucx_bandwidth --sizes-mb 1 16 64 256 --repeats 5 --out benchmarks/results/ucx_bandwidth.json
+
+The sender process holds one buffer per size; the receiver pulls each `repeats`
+times over one endpoint (as a decode worker does) and records seconds and GB/s.
+The first pull of a run includes endpoint set-up and is reported separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def _sender(sizes_mb: list[int], port_queue, stop_event) -> None:
+    from distserve.transfer.ucx_transfer import KvSender
+
+    buffers = {f"h{mb}": torch.ones(mb * 1024 * 1024 // 4, dtype=torch.float32) for mb in sizes_mb}
+
+    async def main():
+        sender = KvSender(lookup=buffers.get, on_sent=lambda handle_id: None)
+        port_queue.put(sender.start())
+        while not stop_event.is_set():
+            await asyncio.sleep(0.05)
+        sender.stop()
+
+    asyncio.run(main())
+
+
+async def _receive(port: int, sizes_mb: list[int], repeats: int) -> dict:
+    from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
+
+    init_ucx()  # as a decode worker does at start-up
+    receiver = KvReceiver()
+    address = f"127.0.0.1:{port}"
+    warm = torch.empty(1024 * 1024 // 4)
+    results = {"first_pull_s_1mb_incl_connect": await receiver.fetch(address, "h1", warm, 60) if 1 in sizes_mb else None}
+    rows = []
+    for mb in sizes_mb:
+        out = torch.empty(mb * 1024 * 1024 // 4, dtype=torch.float32)
+        seconds = [await receiver.fetch(address, f"h{mb}", out, 120) for _ in range(repeats)]
+        assert bool((out == 1).all()), "received bytes differ from the sent buffer"
+        best = min(seconds)
+        rows.append({"size_mb": mb, "median_s": statistics.median(seconds), "best_s": best,
+                     "median_gbps": mb * 1024 * 1024 / statistics.median(seconds) / 1e9,
+                     "best_gbps": mb * 1024 * 1024 / best / 1e9})
+    await receiver.close()
+    results["rows"] = rows
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/ucx_bandwidth.json")
+    args = parser.parse_args()
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    ctx = mp.get_context("spawn")
+    port_queue, stop_event = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_sender, args=(args.sizes_mb, port_queue, stop_event))
+    proc.start()
+    try:
+        results = asyncio.run(_receive(port_queue.get(timeout=60), args.sizes_mb, args.repeats))
+    finally:
+        stop_event.set()
+        proc.join(30)
+    results.update({"ucx_tls": os.environ.get("UCX_TLS", "(default)"), "machine": platform.machine(),
+                    "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

