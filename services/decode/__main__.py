@@ -9,6 +9,7 @@ import sys
 
 import redis.asyncio as aioredis
 
+from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_loader import load_model, resolve_model_path
@@ -18,7 +19,7 @@ from distserve.grpc_server import ChannelPool, Service, run_grpc_server
 from distserve.logs import setup_logging
 from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
 from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
-from distserve.v1 import decode_pb2_grpc, kvbroker_pb2_grpc
+from distserve.v1 import decode_pb2_grpc
 from services.decode.config import DecodeConfig
 from services.decode.engine import DecodeEngine
 from services.decode.scheduler import DecodeScheduler
@@ -62,7 +63,7 @@ async def serve(config: DecodeConfig) -> None:
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool()
     servicer = DecodeServicer(config, spec, engine, receiver,
-                              kvbroker_pb2_grpc.KvBrokerServiceStub(channels.get(config.broker_address)))
+                              BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s))
     worker_id = config.resolved_worker_id
     tasks: list[asyncio.Task] = []
 

@@ -9,10 +9,11 @@ import time
 import grpc
 import torch
 
+from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
 from distserve.engine.model_spec import DTYPES, ModelSpec
 from distserve.transfer.ucx_transfer import KvReceiver, TransferError
-from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2, kvbroker_pb2_grpc
+from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
 from services.decode.config import DecodeConfig
 from services.decode.engine import DecodeEngine
 from services.decode.sequence import Sequence
@@ -40,13 +41,12 @@ def layout_error(layout: common_pb2.KvLayout, spec: ModelSpec, dtype: str, promp
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, config: DecodeConfig, spec: ModelSpec, engine: DecodeEngine, receiver: KvReceiver,
-                 broker: kvbroker_pb2_grpc.KvBrokerServiceStub):
+                 broker: BrokerClient):
         self._config = config
         self._spec = spec
         self._engine = engine
         self._receiver = receiver
         self._broker = broker
-        self._background: set[asyncio.Task] = set()
 
     async def Decode(self, request, context):
         error = request_error(request, self._spec)
@@ -61,7 +61,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             seq.block_table = await self._reserve_blocks(len(prompt), params.max_tokens, context)
             transfer_s = await self._load_kv(handle, seq, context)
-            self._release(request.kv_handle_id, "received")
+            self._broker.release_soon(request.kv_handle_id, "received")
             released = True
             seq.loaded_at = time.monotonic()
             self._engine.add(seq)
@@ -70,7 +70,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield response
         finally:
             if not released:
-                self._release(request.kv_handle_id, "cancelled")
+                self._broker.release_soon(request.kv_handle_id, "cancelled")
             if in_engine:
                 if seq.finish_reason is None:
                     self._engine.abort(seq)
@@ -79,20 +79,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _claim(self, request, context) -> kvbroker_pb2.KvHandle:
         try:
-            reply = await self._broker.ClaimHandle(
-                kvbroker_pb2.ClaimHandleRequest(handle_id=request.kv_handle_id,
-                                                claimant_worker_id=self._config.resolved_worker_id),
-                timeout=self._config.rpc_timeout_s,
-            )
+            handle = await self._broker.claim(request.kv_handle_id, self._config.resolved_worker_id)
         except grpc.aio.AioRpcError as exc:
             code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND,
                                                 grpc.StatusCode.FAILED_PRECONDITION) else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"claim of kv_handle_id {request.kv_handle_id} failed: {exc.details()}")
-        error = layout_error(reply.handle.layout, self._spec, self._config.dtype, len(request.prompt_token_ids))
+        error = layout_error(handle.layout, self._spec, self._config.dtype, len(request.prompt_token_ids))
         if error:
-            self._release(request.kv_handle_id, "layout mismatch")
+            self._broker.release_soon(request.kv_handle_id, "layout mismatch")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
-        return reply.handle
+        return handle
 
     async def _reserve_blocks(self, prompt_len: int, max_tokens: int, context) -> list[int]:
         allocator = self._engine.scheduler.allocator
@@ -139,14 +135,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             yield response
             if finish is not None:
                 return
-
-    def _release(self, handle_id: str, reason: str) -> None:
-        """Releases the handle in the background; runs even while this call is being cancelled."""
-        task = asyncio.ensure_future(self._broker.ReleaseHandle(
-            kvbroker_pb2.ReleaseHandleRequest(handle_id=handle_id, reason=reason),
-            timeout=self._config.rpc_timeout_s))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def GetDecodeStats(self, request, context):
         scheduler = self._engine.scheduler

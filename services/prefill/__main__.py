@@ -9,6 +9,7 @@ import sys
 
 import redis.asyncio as aioredis
 
+from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.engine.model_loader import load_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
@@ -17,7 +18,7 @@ from distserve.grpc_server import ChannelPool, Service, run_grpc_server
 from distserve.logs import setup_logging
 from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
 from distserve.transfer.ucx_transfer import KvSender
-from distserve.v1 import kvbroker_pb2_grpc, prefill_pb2_grpc
+from distserve.v1 import prefill_pb2_grpc
 from services.kvbroker.store import release_channel
 from services.prefill.batcher import PrefillBatcher
 from services.prefill.config import PrefillConfig
@@ -49,7 +50,7 @@ async def serve(config: PrefillConfig) -> None:
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool()
     servicer = PrefillServicer(config, spec, config.dtype, batcher, held, sender,
-                               kvbroker_pb2_grpc.KvBrokerServiceStub(channels.get(config.broker_address)),
+                               BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s),
                                ucx_address)
     worker_id = config.resolved_worker_id
     tasks: list[asyncio.Task] = []

@@ -8,10 +8,11 @@ import uuid
 
 import grpc
 
+from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
 from distserve.engine.model_spec import ModelSpec
 from distserve.transfer.ucx_transfer import KvSender
-from distserve.v1 import common_pb2, kvbroker_pb2, kvbroker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.batcher import PrefillBatcher
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
@@ -33,7 +34,7 @@ def prompt_error(tokens, spec: ModelSpec) -> str | None:
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, config: PrefillConfig, spec: ModelSpec, dtype_name: str, batcher: PrefillBatcher,
-                 held: HeldKv, sender: KvSender, broker: kvbroker_pb2_grpc.KvBrokerServiceStub,
+                 held: HeldKv, sender: KvSender, broker: BrokerClient,
                  ucx_address: str):
         self._config = config
         self._spec = spec
@@ -81,14 +82,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             owner_ucx_address=self._ucx_address, layout=response.kv_layout,
         )
         try:
-            await self._broker.RegisterHandle(
-                kvbroker_pb2.RegisterHandleRequest(handle=handle, lease_s=self._config.kv_lease_s),
-                timeout=self._config.rpc_timeout_s,
-            )
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            await self._broker.register(handle, self._config.kv_lease_s)
+        except asyncio.CancelledError:
             self._held.free(handle_id)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+            self._broker.release_soon(handle_id, "cancelled")  # the record may have been written
+            raise
+        except grpc.aio.AioRpcError as exc:
+            self._held.free(handle_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"kvbroker register failed: {exc.details()}")
 
     async def GetPrefillStats(self, request, context):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import secrets
@@ -11,13 +10,13 @@ import uuid
 
 import grpc
 
+from distserve.broker_client import BrokerClient
 from distserve.convert import finish_from_proto, finish_to_proto, sampling_to_proto
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import FinishReason, SamplingParams
 from distserve.grpc_server import ChannelPool
 from distserve.registry import WorkerRecord
-from distserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2, kvbroker_pb2_grpc,
-                          prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc)
+from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.picker import WorkerPicker
 from services.router.text_stream import TextStream
@@ -48,8 +47,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._spec = spec
         self._picker = picker
         self._channels = channels
-        self._broker = kvbroker_pb2_grpc.KvBrokerServiceStub(channels.get(config.broker_address))
-        self._background: set[asyncio.Task] = set()
+        self._broker = BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s)
 
     async def Generate(self, request, context):
         try:
@@ -88,7 +86,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 yield message
         finally:
             if first.kv_handle_id and not handed_to_decode:
-                self._release(first.kv_handle_id)
+                # no decode worker will claim it (cancelled, or failed before decode)
+                self._broker.release_soon(first.kv_handle_id, "cancelled")
 
     async def _pick(self, context) -> tuple[WorkerRecord, WorkerRecord]:
         prefill_worker, decode_worker = self._picker.pick_prefill(), self._picker.pick_decode()
@@ -153,11 +152,3 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if code not in _PASS_THROUGH:
             code = grpc.StatusCode.UNAVAILABLE
         await context.abort(code, f"{stage} worker {worker.worker_id}: {exc.details()}")
-
-    def _release(self, handle_id: str) -> None:
-        """Releases a KV handle no decode worker will claim (cancelled or failed before decode)."""
-        task = asyncio.ensure_future(self._broker.ReleaseHandle(
-            kvbroker_pb2.ReleaseHandleRequest(handle_id=handle_id, reason="cancelled"),
-            timeout=self._config.rpc_timeout_s))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
