@@ -1,13 +1,17 @@
-"""Builders shared by tests: requests, clients and the reference generator."""
+"""Builders shared by tests: requests, clients, the reference generator and unit-test data."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
 import torch
 
+from distserve.engine.model_spec import ModelSpec
+from distserve.engine.sampling import SamplingParams
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.decode.sequence import Sequence
 
 
 def sampling(max_tokens: int = 16, temperature: float = 0.0, **kwargs) -> common_pb2.SamplingParams:
@@ -71,3 +75,28 @@ def compare_with_tolerance(got: list[int], ref: Reference, tie_eps: float = 1e-4
         if got[i] != expected:
             return False, False
     return len(got) == len(ref.token_ids), False
+
+
+# --- unit-test data ---------------------------------------------------------
+
+
+def model_spec(vocab_size: int = 100, max_context: int = 64, eos_token_ids: tuple[int, ...] = (1,),
+               num_layers: int = 2, num_kv_heads: int = 2, head_dim: int = 4) -> ModelSpec:
+    """A hand-built ModelSpec small enough to reason about in tests."""
+    return ModelSpec(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     vocab_size=vocab_size, max_context=max_context, eos_token_ids=eos_token_ids)
+
+
+def random_kv(num_tokens: int, spec: ModelSpec, seed: int = 0) -> torch.Tensor:
+    """Random contiguous prompt KV: [L, 2, H, T, D]."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
+    return torch.randn(shape, generator=generator)
+
+
+def decode_sequence(request_id: str = "r", prompt_len: int = 4, block_table: list[int] | None = None,
+                    **params) -> Sequence:
+    """A decode Sequence holding a prompt of prompt_len tokens plus its first token."""
+    return Sequence(request_id=request_id, tokens=list(range(2, prompt_len + 3)), prompt_len=prompt_len,
+                    params=SamplingParams(**params), block_table=list(block_table or []),
+                    outputs=asyncio.Queue())

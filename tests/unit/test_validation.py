@@ -1,0 +1,94 @@
+"""validate_request: each bad field is reported by name; a good request comes back with defaults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distserve.engine.sampling import SamplingParams
+from distserve.v1 import router_pb2
+from services.router.validation import MAX_REQUEST_ID_LEN, MAX_STOP_STRINGS, InvalidRequest, validate_request
+from tests.builders import model_spec, sampling, token_request
+
+SPEC = model_spec(vocab_size=256, max_context=64)
+
+
+def char_tokenizer(text: str) -> dict:
+    """One token per character, its code point (so chars past U+00FF are outside SPEC's vocabulary)."""
+    return {"input_ids": [ord(c) for c in text]}
+
+
+def text_request(text: str, **kwargs) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(text=text, sampling=sampling(**kwargs))
+
+
+def validate(request):
+    return validate_request(request, char_tokenizer, SPEC)
+
+
+BAD_REQUESTS = {
+    "request-id-too-long": (router_pb2.GenerateRequest(request_id="r" * (MAX_REQUEST_ID_LEN + 1),
+                                                       text="hi"), "request_id"),
+    "request-id-not-printable": (router_pb2.GenerateRequest(request_id="a\nb", text="hi"), "request_id"),
+    "missing-prompt": (router_pb2.GenerateRequest(sampling=sampling()), "prompt"),
+    "empty-text": (text_request(""), "prompt"),
+    "empty-token-ids": (token_request([]), "prompt"),
+    "prompt-fills-context": (token_request([5] * SPEC.max_context, max_tokens=1), "prompt"),
+    "text-too-long": (text_request("a" * SPEC.max_context, max_tokens=1), "prompt"),
+    "token-id-at-vocab-size": (token_request([5, SPEC.vocab_size]), "prompt"),
+    "negative-token-id": (token_request([-1, 5]), "prompt"),
+    "text-outside-vocab": (text_request("h\u0394"), "prompt"),
+    "max-tokens-zero": (token_request([5], max_tokens=0), "max_tokens"),
+    "max-tokens-negative": (token_request([5], max_tokens=-3), "max_tokens"),
+    "prompt-plus-max-tokens-over-context": (token_request([5] * 60, max_tokens=5), "max_tokens"),
+    "temperature-negative": (token_request([5], temperature=-0.5), "temperature"),
+    "temperature-nan": (token_request([5], temperature=math.nan), "temperature"),
+    "temperature-inf": (token_request([5], temperature=math.inf), "temperature"),
+    "top-p-zero": (token_request([5], top_p=0.0), "top_p"),
+    "top-p-above-one": (token_request([5], top_p=1.5), "top_p"),
+    "top-p-nan": (token_request([5], top_p=math.nan), "top_p"),
+    "top-k-negative": (token_request([5], top_k=-1), "top_k"),
+    "min-tokens-over-max-tokens": (token_request([5], max_tokens=4, min_tokens=5), "min_tokens"),
+    "min-tokens-negative": (token_request([5], min_tokens=-1), "min_tokens"),
+    "empty-stop-string": (token_request([5], stop=["ok", ""]), "stop"),
+    "too-many-stop-strings": (token_request([5], stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), "stop"),
+    "stop-token-id-at-vocab-size": (token_request([5], stop_token_ids=[SPEC.vocab_size]), "stop_token_ids"),
+    "negative-stop-token-id": (token_request([5], stop_token_ids=[3, -2]), "stop_token_ids"),
+}
+
+
+@pytest.mark.parametrize("request_, field", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_field_is_named(request_, field):
+    with pytest.raises(InvalidRequest) as exc:
+        validate(request_)
+    assert exc.value.field == field
+    assert str(exc.value).startswith(f"{field}: ")
+
+
+def test_text_prompt_is_tokenized_and_params_read():
+    tokens, params = validate(text_request("hello", max_tokens=5, temperature=0.5, top_p=0.5, top_k=3, seed=9,
+                                           stop=["\n"], stop_token_ids=[7], ignore_eos=True, min_tokens=2))
+    assert tokens == [ord(c) for c in "hello"]
+    assert params == SamplingParams(max_tokens=5, temperature=0.5, top_p=0.5, top_k=3, seed=9, stop=("\n",),
+                                    stop_token_ids=(7,), ignore_eos=True, min_tokens=2)
+
+
+def test_unset_optional_fields_take_the_defaults():
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6]))
+    tokens, params = validate(request)
+    assert tokens == [5, 6]
+    assert params == SamplingParams()
+    assert params.seed is None and params.temperature == 1.0 and params.top_p == 1.0 and params.max_tokens == 16
+
+
+def test_the_context_limits_are_inclusive_where_they_fit():
+    tokens, params = validate(token_request([5] * (SPEC.max_context - 1), max_tokens=1))
+    assert len(tokens) == SPEC.max_context - 1 and params.max_tokens == 1
+    _, params = validate(token_request([5] * 60, max_tokens=4, min_tokens=4, top_p=1.0, top_k=0))
+    assert (params.max_tokens, params.min_tokens) == (4, 4)
+
+
+def test_longest_allowed_request_id_passes():
+    tokens, _ = validate(router_pb2.GenerateRequest(request_id="r" * MAX_REQUEST_ID_LEN, text="ok"))
+    assert tokens == [ord("o"), ord("k")]
