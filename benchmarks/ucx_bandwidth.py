@@ -27,7 +27,7 @@ def _sender(sizes_mb: list[int], port_queue, stop_event) -> None:
     buffers = {f"h{mb}": torch.ones(mb * 1024 * 1024 // 4, dtype=torch.float32) for mb in sizes_mb}
 
     async def main():
-        sender = KvSender(lookup=buffers.get, on_sent=lambda handle_id: None)
+        sender = KvSender(lookup=buffers.get, on_sent=lambda handle_id, num_bytes, seconds: None)
         port_queue.put(sender.start())
         while not stop_event.is_set():
             await asyncio.sleep(0.05)

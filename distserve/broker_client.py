@@ -23,18 +23,23 @@ class BrokerClient:
             kvbroker_pb2.RegisterHandleRequest(handle=handle, lease_s=lease_s), timeout=self._timeout_s)
         return reply.handle
 
-    async def claim(self, handle_id: str, claimant: str) -> kvbroker_pb2.KvHandle:
+    async def claim(self, handle_id: str, claimant: str, request_id: str) -> kvbroker_pb2.KvHandle:
         reply = await self._stub.ClaimHandle(
-            kvbroker_pb2.ClaimHandleRequest(handle_id=handle_id, claimant_worker_id=claimant),
+            kvbroker_pb2.ClaimHandleRequest(handle_id=handle_id, claimant_worker_id=claimant, request_id=request_id),
             timeout=self._timeout_s)
         return reply.handle
 
-    def release_soon(self, handle_id: str, reason: str) -> None:
-        """Releases the handle in the background, so it completes even while the caller is cancelled."""
+    def release_soon(self, handle_id: str, reason: str, request_id: str) -> asyncio.Future:
+        """Releases the handle in the background, so it completes even while the caller is cancelled.
+
+        The returned future may be awaited (it never raises) to keep the release inside the caller's span.
+        """
         future = asyncio.ensure_future(self._stub.ReleaseHandle(
-            kvbroker_pb2.ReleaseHandleRequest(handle_id=handle_id, reason=reason), timeout=self._timeout_s))
+            kvbroker_pb2.ReleaseHandleRequest(handle_id=handle_id, reason=reason, request_id=request_id),
+            timeout=self._timeout_s))
         self._pending.add(future)
         future.add_done_callback(self._done)
+        return future
 
     def _done(self, future: asyncio.Future) -> None:
         self._pending.discard(future)

@@ -55,6 +55,7 @@ class ClusterSpec:
     prefill_base_port: int = 50070
     decode_base_port: int = 50080
     redis_port: int = 6390
+    metrics_base_port: int = 9100  # router +0, kvbroker +1, prefill +10+i, decode +20+i; 0: free ports
     gateway_port: int | None = 8000  # None: no HTTP gateway
     gateway_args: list[str] = dataclasses.field(default_factory=list)
     redis_url: str = ""  # use this Redis instead of starting one
@@ -70,6 +71,7 @@ class ManagedProcess:
     popen: subprocess.Popen
     log_path: Path
     address: str = ""  # gRPC host:port, for services
+    metrics_url: str = ""  # Prometheus endpoint, for services
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -112,15 +114,17 @@ class Cluster:
                                   "--save", "", "--appendonly", "no"])
             self.redis_url = f"redis://127.0.0.1:{port}/0"
             self._wait_redis(port, timeout_s)
+        metrics = spec.metrics_base_port
         broker = f"127.0.0.1:{self._port(spec.broker_port)}"
-        self.start_service("kvbroker", "services.kvbroker", broker, [])
+        self.start_service("kvbroker", "services.kvbroker", broker, [], self._port(metrics, 1))
         for i in range(spec.num_prefill):
-            self.start_service(f"prefill-{i}", "services.prefill",
-                               f"127.0.0.1:{self._port(spec.prefill_base_port, i)}", spec.prefill_args)
+            self.start_service(f"prefill-{i}", "services.prefill", f"127.0.0.1:{self._port(spec.prefill_base_port, i)}",
+                               spec.prefill_args, self._port(metrics, 10 + i))
         for i in range(spec.num_decode):
-            self.start_service(f"decode-{i}", "services.decode",
-                               f"127.0.0.1:{self._port(spec.decode_base_port, i)}", spec.decode_args)
-        self.start_service("router", "services.router", f"127.0.0.1:{self._port(spec.router_port)}", [])
+            self.start_service(f"decode-{i}", "services.decode", f"127.0.0.1:{self._port(spec.decode_base_port, i)}",
+                               spec.decode_args, self._port(metrics, 20 + i))
+        self.start_service("router", "services.router", f"127.0.0.1:{self._port(spec.router_port)}", [],
+                           self._port(metrics))
         for process in self.processes.values():
             if process.address:
                 self.wait_healthy(process, timeout_s)
@@ -130,7 +134,7 @@ class Cluster:
     def _start_gateway(self, timeout_s: float) -> None:
         port = self._port(self.spec.gateway_port)
         env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url,
-               "DISTSERVE_ROUTER_ADDRESS": self.router_address}
+               "DISTSERVE_ROUTER_ADDRESS": self.router_address, "OTEL_SERVICE_NAME": "distserve-gateway"}
         process = self._spawn("gateway", [sys.executable, "-m", "services.router.gateway", "--port", str(port),
                                           *self.spec.gateway_args], env)
         self.gateway_url = f"http://127.0.0.1:{port}"
@@ -153,13 +157,19 @@ class Cluster:
     def router_address(self) -> str:
         return self.processes["router"].address
 
-    def start_service(self, name: str, module: str, address: str, extra_args: list[str]) -> ManagedProcess:
+    def start_service(self, name: str, module: str, address: str, extra_args: list[str],
+                      metrics_port: int | None = None) -> ManagedProcess:
+        """Spawns `python -m module` serving gRPC on address; metrics on metrics_port (default: a free one)."""
         port = address.rpartition(":")[2]
-        env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url}
+        metrics_port = metrics_port or free_port()
+        env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url,
+               "OTEL_SERVICE_NAME": f"distserve-{module.rpartition('.')[2]}"}
         if "kvbroker" in self.processes:
             env["DISTSERVE_BROKER_ADDRESS"] = self.processes["kvbroker"].address
-        process = self._spawn(name, [sys.executable, "-m", module, "--port", port, *extra_args], env)
+        argv = [sys.executable, "-m", module, "--port", port, "--metrics-port", str(metrics_port), *extra_args]
+        process = self._spawn(name, argv, env)
         process.address = address
+        process.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         return process
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:

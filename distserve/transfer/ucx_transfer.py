@@ -2,7 +2,7 @@
 
 Protocol on one endpoint, strictly request/response (the receiver serialises
 its fetches per peer with a lock, so messages never interleave):
-    decode -> prefill  header: 64 bytes, the handle id (ASCII, NUL padded)
+    decode -> prefill  header: 512 bytes, JSON {handle_id, request_id, traceparent}, NUL padded
     prefill -> decode  size:   int64, the buffer's byte count, or -1 if unknown
     prefill -> decode  data:   the KV buffer itself (zero-copy from the tensor)
     decode -> prefill  ack:    int64, 1 once the bytes are in place
@@ -14,16 +14,39 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
 import time
 from typing import Callable
 
 import numpy as np
 import torch
 
+from distserve import tracing
+
 log = logging.getLogger(__name__)
 
-HEADER_BYTES = 64
+HEADER_BYTES = 512
+
+
+def _encode_header(handle_id: str, request_id: str) -> np.ndarray:
+    raw = json.dumps({"handle_id": handle_id, "request_id": request_id, **tracing.inject_headers({})}).encode()
+    if len(raw) > HEADER_BYTES:
+        raise ValueError(f"transfer header of {len(raw)} bytes exceeds {HEADER_BYTES}")
+    header = np.zeros(HEADER_BYTES, dtype=np.uint8)
+    header[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return header
+
+
+def _decode_header(header: np.ndarray) -> dict[str, str]:
+    return json.loads(bytes(header).rstrip(b"\0").decode())
+
+
+def _transfer_attributes(num_bytes: int, seconds: float) -> dict:
+    return {"distserve.kv.bytes": num_bytes, "distserve.kv.transfer_seconds": seconds,
+            "distserve.kv.transfer_gbps": num_bytes / max(seconds, 1e-9) / 1e9,
+            "network.transport": "ucx", "distserve.ucx.tls": os.environ.get("UCX_TLS", "default")}
 
 
 def _ucxx():
@@ -55,8 +78,9 @@ class KvSender:
     def __init__(
         self,
         lookup: Callable[[str], torch.Tensor | None],
-        on_sent: Callable[[str], None],
+        on_sent: Callable[[str, int, float], None],
     ) -> None:
+        """lookup(handle_id) gives the buffer to send; on_sent(handle_id, bytes, seconds) follows the ack."""
         self._lookup = lookup
         self._on_sent = on_sent
         self._listener = None
@@ -76,7 +100,7 @@ class KvSender:
         try:
             while True:
                 await ep.recv(header)
-                await self._serve_one(ep, bytes(header).rstrip(b"\0").decode())
+                await self._serve_one(ep, _decode_header(header))
         except asyncio.CancelledError:  # listener shutting down
             pass
         except Exception as exc:  # a closed peer ends its loop; nothing else depends on it
@@ -86,19 +110,27 @@ class KvSender:
             if not ep.closed:
                 await ep.close()
 
-    async def _serve_one(self, ep, handle_id: str) -> None:
+    async def _serve_one(self, ep, fields: dict[str, str]) -> None:
+        handle_id = fields["handle_id"]
         tensor = self._lookup(handle_id)
         if tensor is None:
             await ep.send(np.array([-1], dtype=np.int64))
             return
         data = _as_bytes(tensor)
-        await ep.send(np.array([data.nbytes], dtype=np.int64))
-        await ep.send(data)
+        # The span (a child of the receiver's) covers the send; waiting for the ack stays
+        # outside it, so it always ends within its parent.
+        with tracing.remote_context(fields), tracing.span("kv_transfer.send", fields["request_id"],
+                                                          **{"distserve.kv.handle_id": handle_id}) as span:
+            started = time.perf_counter()
+            await ep.send(np.array([data.nbytes], dtype=np.int64))
+            await ep.send(data)
+            seconds = time.perf_counter() - started
+            span.set_attributes(_transfer_attributes(data.nbytes, seconds))
         ack = np.empty(1, dtype=np.int64)
         await ep.recv(ack)
         self.counters.num_transfers += 1
         self.counters.num_bytes += data.nbytes
-        self._on_sent(handle_id)
+        self._on_sent(handle_id, data.nbytes, seconds)
 
 
 class TransferError(RuntimeError):
@@ -113,13 +145,22 @@ class KvReceiver:
         self._locks: dict[str, asyncio.Lock] = {}
         self.counters = TransferCounters()
 
-    async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float) -> float:
+    async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
+                    request_id: str = "") -> float:
         """Fills `out` (contiguous, CPU) with the handle's bytes; returns seconds spent."""
+        with tracing.span("kv_transfer.recv", request_id, **{"distserve.kv.handle_id": handle_id,
+                                                              "distserve.kv.peer": address}) as span:
+            seconds = await self._fetch(address, handle_id, out, timeout_s, request_id)
+            span.set_attributes(_transfer_attributes(out.numel() * out.element_size(), seconds))
+            return seconds
+
+    async def _fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
+                     request_id: str) -> float:
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
             start = time.perf_counter()
             try:
-                await asyncio.wait_for(self._fetch_locked(address, handle_id, out), timeout_s)
+                await asyncio.wait_for(self._fetch_locked(address, handle_id, out, request_id), timeout_s)
             except Exception as exc:  # any failure leaves the endpoint mid-protocol: drop it
                 await self._drop(address)
                 if isinstance(exc, TransferError):
@@ -139,12 +180,9 @@ class KvReceiver:
     def peers(self) -> set[str]:
         return set(self._endpoints)
 
-    async def _fetch_locked(self, address: str, handle_id: str, out: torch.Tensor) -> None:
+    async def _fetch_locked(self, address: str, handle_id: str, out: torch.Tensor, request_id: str) -> None:
         ep = await self._endpoint(address)
-        header = np.zeros(HEADER_BYTES, dtype=np.uint8)
-        raw = handle_id.encode()
-        header[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        await ep.send(header)
+        await ep.send(_encode_header(handle_id, request_id))
         size = np.empty(1, dtype=np.int64)
         await ep.recv(size)
         target = _as_bytes(out)

@@ -51,12 +51,14 @@ class RegisterHandleResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class ClaimHandleRequest(_message.Message):
-    __slots__ = ("handle_id", "claimant_worker_id")
+    __slots__ = ("handle_id", "claimant_worker_id", "request_id")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIMANT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     claimant_worker_id: str
-    def __init__(self, handle_id: _Optional[str] = ..., claimant_worker_id: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, handle_id: _Optional[str] = ..., claimant_worker_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ClaimHandleResponse(_message.Message):
     __slots__ = ("handle",)
@@ -65,12 +67,14 @@ class ClaimHandleResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class ReleaseHandleRequest(_message.Message):
-    __slots__ = ("handle_id", "reason")
+    __slots__ = ("handle_id", "reason", "request_id")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     reason: str
-    def __init__(self, handle_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, handle_id: _Optional[str] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseHandleResponse(_message.Message):
     __slots__ = ("existed",)

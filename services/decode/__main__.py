@@ -17,6 +17,8 @@ from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec
 from distserve.grpc_server import ChannelPool, Service, run_grpc_server
 from distserve.logs import setup_logging
+from distserve.metrics import DecodeMetrics, serve_metrics
+from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
 from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
 from distserve.v1 import decode_pb2_grpc
@@ -57,13 +59,15 @@ async def serve(config: DecodeConfig) -> None:
     model = load_model(path, config.dtype, config.device)
     spec = ModelSpec.from_config(model.config)
     engine = build_engine(config, model, spec)
+    metrics = DecodeMetrics()
     init_ucx()
     receiver = KvReceiver()
     redis = aioredis.from_url(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool()
     servicer = DecodeServicer(config, spec, engine, receiver,
-                              BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s))
+                              BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s), metrics)
+    serve_metrics(config.metrics_port, config.host)
     worker_id = config.resolved_worker_id
     tasks: list[asyncio.Task] = []
 
@@ -71,6 +75,9 @@ async def serve(config: DecodeConfig) -> None:
         allocator = engine.scheduler.allocator
         load = {"num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
                 "free_blocks": allocator.num_free, "total_blocks": allocator.num_blocks}
+        metrics.kv_usage.set(allocator.num_used / allocator.num_blocks)
+        metrics.running.set(len(engine.scheduler.running))
+        metrics.waiting.set(len(engine.scheduler.waiting))
         return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load)
 
     async def on_ready(port: int) -> None:
@@ -95,10 +102,12 @@ async def serve(config: DecodeConfig) -> None:
         await receiver.close()
         await channels.close()
         await redis.aclose()
+        shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("decode")
+    init_tracing("distserve-decode")
     config = parse_config(DecodeConfig, argv, prefix="DISTSERVE_DECODE_")
     asyncio.run(serve(config))
 

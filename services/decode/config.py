@@ -13,6 +13,7 @@ class DecodeConfig:
     """decode worker: generates tokens from transferred KV caches."""
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
+    metrics_port: int = setting(9103, "port of the Prometheus /metrics endpoint (0: off)")
     port: int = setting(50080, "gRPC port")
     advertise_host: str = setting("127.0.0.1", "host other services use to reach this worker")
     worker_id: str = setting("", "unique worker id (default: decode-<host>-<port>)")

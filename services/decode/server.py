@@ -9,9 +9,11 @@ import time
 import grpc
 import torch
 
+from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
 from distserve.engine.model_spec import DTYPES, ModelSpec
+from distserve.metrics import DecodeMetrics
 from distserve.transfer.ucx_transfer import KvReceiver, TransferError
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
 from services.decode.config import DecodeConfig
@@ -41,36 +43,49 @@ def layout_error(layout: common_pb2.KvLayout, spec: ModelSpec, dtype: str, promp
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, config: DecodeConfig, spec: ModelSpec, engine: DecodeEngine, receiver: KvReceiver,
-                 broker: BrokerClient):
+                 broker: BrokerClient, metrics: DecodeMetrics):
         self._config = config
         self._spec = spec
         self._engine = engine
         self._receiver = receiver
         self._broker = broker
+        self._metrics = metrics
 
     async def Decode(self, request, context):
+        rid = request.request_id
+        with tracing.server_context(context), tracing.span("decode", rid, **{
+                "gen_ai.operation.name": "text_completion", "distserve.worker": self._config.resolved_worker_id,
+                "gen_ai.request.max_tokens": request.sampling.max_tokens}):
+            async for response in self._decode(request, context):
+                yield response
+
+    async def _decode(self, request, context):
         error = request_error(request, self._spec)
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        handle = await self._claim(request, context)
+        rid = request.request_id
         prompt = list(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
-        seq = Sequence(request.request_id, prompt + [request.first_token_id], len(prompt), params, [],
-                       asyncio.Queue())
+        seq = Sequence(rid, prompt + [request.first_token_id], len(prompt), params, [], asyncio.Queue())
         in_engine = released = False
         try:
-            seq.block_table = await self._reserve_blocks(len(prompt), params.max_tokens, context)
-            transfer_s = await self._load_kv(handle, seq, context)
-            self._broker.release_soon(request.kv_handle_id, "received")
+            with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id}):
+                handle = await self._claim(request, context)
+                seq.block_table = await self._reserve_blocks(len(prompt), params.max_tokens, context)
+                transfer_s = await self._load_kv(handle, seq, context)
+            release = self._broker.release_soon(request.kv_handle_id, "received", rid)
             released = True
             seq.loaded_at = time.monotonic()
             self._engine.add(seq)
             in_engine = True
-            async for response in self._stream(seq, transfer_s):
-                yield response
+            with tracing.span("stream", rid):
+                async for response in self._stream(seq, transfer_s):
+                    yield response
+            self._record_finish(seq, seq.finish_reason)
+            await asyncio.wait([release])  # long done; keeps the broker's span inside this one
         finally:
             if not released:
-                self._broker.release_soon(request.kv_handle_id, "cancelled")
+                self._broker.release_soon(request.kv_handle_id, "cancelled", rid)
             if in_engine:
                 if seq.finish_reason is None:
                     self._engine.abort(seq)
@@ -79,14 +94,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _claim(self, request, context) -> kvbroker_pb2.KvHandle:
         try:
-            handle = await self._broker.claim(request.kv_handle_id, self._config.resolved_worker_id)
+            handle = await self._broker.claim(request.kv_handle_id, self._config.resolved_worker_id,
+                                              request.request_id)
         except grpc.aio.AioRpcError as exc:
             code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND,
                                                 grpc.StatusCode.FAILED_PRECONDITION) else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"claim of kv_handle_id {request.kv_handle_id} failed: {exc.details()}")
         error = layout_error(handle.layout, self._spec, self._config.dtype, len(request.prompt_token_ids))
         if error:
-            self._broker.release_soon(request.kv_handle_id, "layout mismatch")
+            self._broker.release_soon(request.kv_handle_id, "layout mismatch", request.request_id)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
         return handle
 
@@ -110,9 +126,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                               dtype=DTYPES[layout.dtype])
         try:
             transfer_s = await self._receiver.fetch(handle.owner_ucx_address, handle.handle_id, staging,
-                                                    self._config.transfer_timeout_s)
+                                                    self._config.transfer_timeout_s, seq.request_id)
         except TransferError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._metrics.kv_transfer_time.observe(transfer_s)
+        self._metrics.kv_transfer_bytes.inc(layout.num_bytes)
         self._engine.kv_cache.write_prompt(seq.block_table, staging.to(self._engine.kv_cache.storage.device))
         log.info("kv_load request_id=%s handle=%s bytes=%d seconds=%.4f gbps=%.3f", seq.request_id,
                  handle.handle_id, layout.num_bytes, transfer_s, layout.num_bytes / max(transfer_s, 1e-9) / 1e9)
@@ -128,6 +146,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 more, finish = seq.outputs.get_nowait()
                 token_ids = token_ids + more
             response = decode_pb2.DecodeResponse(token_ids=token_ids, finish_reason=finish_to_proto(finish))
+            self._metrics.generation_tokens.inc(len(token_ids))
             if finish is not None:
                 response.timings.CopyFrom(common_pb2.Timings(
                     transfer_s=transfer_s, decode_queue_s=seq.started_at - seq.loaded_at,
@@ -135,6 +154,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             yield response
             if finish is not None:
                 return
+
+    def _record_finish(self, seq: Sequence, finish) -> None:
+        rid = seq.request_id
+        tracing.record_span("queue", rid, tracing.wall_ns(seq.loaded_at), tracing.wall_ns(seq.started_at))
+        tracing.record_span("generate", rid, tracing.wall_ns(seq.started_at), tracing.wall_ns(seq.finished_at),
+                            **{"gen_ai.usage.output_tokens": seq.num_generated,
+                               "gen_ai.response.finish_reasons": [finish.value]})
+        self._metrics.queue_time.observe(seq.started_at - seq.loaded_at)
+        self._metrics.decode_time.observe(seq.finished_at - seq.started_at)
+        self._metrics.success.labels(finished_reason=finish.value).inc()
+        log.info("decode request_id=%s tokens=%d reason=%s decode_s=%.4f", rid, seq.num_generated, finish.value,
+                 seq.finished_at - seq.started_at)
 
     async def GetDecodeStats(self, request, context):
         scheduler = self._engine.scheduler

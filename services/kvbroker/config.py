@@ -12,6 +12,7 @@ class KvBrokerConfig:
     """kvbroker: keeps KV handle metadata (owner, layout, state, lease) in Redis."""
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
+    metrics_port: int = setting(9101, "port of the Prometheus /metrics endpoint (0: off)")
     port: int = setting(50060, "gRPC port")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding handles", env="DISTSERVE_REDIS_URL")
     default_lease_s: float = setting(30.0, "handle lease when the owner gives none")

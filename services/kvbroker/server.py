@@ -7,6 +7,8 @@ import sys
 
 import grpc
 
+from distserve import tracing
+from distserve.metrics import BrokerMetrics
 from distserve.v1 import kvbroker_pb2, kvbroker_pb2_grpc
 from services.kvbroker.config import KvBrokerConfig
 from services.kvbroker.store import HandleNotFound, HandleNotReady, HandleStore
@@ -14,57 +16,83 @@ from services.kvbroker.store import HandleNotFound, HandleNotReady, HandleStore
 log = logging.getLogger(__name__)
 
 
+def register_error(request: kvbroker_pb2.RegisterHandleRequest) -> str | None:
+    handle = request.handle
+    for field, ok in (
+        ("handle.handle_id", bool(handle.handle_id)),
+        ("handle.owner_worker_id", bool(handle.owner_worker_id)),
+        ("handle.owner_ucx_address", ":" in handle.owner_ucx_address),
+        ("handle.layout.num_bytes", handle.layout.num_bytes > 0),
+        ("lease_s", request.lease_s >= 0),
+    ):
+        if not ok:
+            return f"{field}: missing or invalid"
+    return None
+
+
 class KvBrokerServicer(kvbroker_pb2_grpc.KvBrokerServiceServicer):
-    def __init__(self, store: HandleStore, config: KvBrokerConfig):
+    def __init__(self, store: HandleStore, config: KvBrokerConfig, metrics: BrokerMetrics):
         self._store = store
         self._config = config
+        self._metrics = metrics
         self._stats = kvbroker_pb2.GetBrokerStatsResponse()
 
-    def _count_request(self, request) -> None:
+    def _count(self, request, operation: str, outcome: str) -> None:
         self._stats.max_request_bytes = max(self._stats.max_request_bytes, request.ByteSize())
+        self._metrics.operations.labels(operation=operation, outcome=outcome).inc()
 
     async def RegisterHandle(self, request, context):
-        self._count_request(request)
         handle = request.handle
-        for field, ok in (
-            ("handle.handle_id", bool(handle.handle_id)),
-            ("handle.owner_worker_id", bool(handle.owner_worker_id)),
-            ("handle.owner_ucx_address", ":" in handle.owner_ucx_address),
-            ("handle.layout.num_bytes", handle.layout.num_bytes > 0),
-            ("lease_s", request.lease_s >= 0),
-        ):
-            if not ok:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field} is missing or invalid")
-        stored = await self._store.register(handle, request.lease_s or self._config.default_lease_s)
-        self._stats.num_registered += 1
-        log.info("register handle=%s request_id=%s bytes=%d owner=%s", handle.handle_id,
-                 handle.request_id, handle.layout.num_bytes, handle.owner_worker_id)
-        return kvbroker_pb2.RegisterHandleResponse(handle=stored)
+        with tracing.server_context(context), tracing.span("register", handle.request_id,
+                                                           **{"distserve.kv.handle_id": handle.handle_id,
+                                                              "distserve.kv.bytes": handle.layout.num_bytes}):
+            error = register_error(request)
+            if error:
+                self._count(request, "register", "invalid")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            stored = await self._store.register(handle, request.lease_s or self._config.default_lease_s)
+            self._count(request, "register", "ok")
+            self._stats.num_registered += 1
+            log.info("register handle=%s request_id=%s bytes=%d owner=%s", handle.handle_id,
+                     handle.request_id, handle.layout.num_bytes, handle.owner_worker_id)
+            return kvbroker_pb2.RegisterHandleResponse(handle=stored)
 
     async def ClaimHandle(self, request, context):
-        self._count_request(request)
-        if not request.handle_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handle_id is required")
-        try:
-            handle = await self._store.claim(request.handle_id, request.claimant_worker_id,
-                                             self._config.claim_lease_s)
-        except HandleNotFound:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"handle {request.handle_id} not found or expired")
-        except HandleNotReady:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handle {request.handle_id} already claimed")
-        self._stats.num_claimed += 1
-        log.info("claim handle=%s request_id=%s by=%s", handle.handle_id, handle.request_id,
-                 request.claimant_worker_id)
-        return kvbroker_pb2.ClaimHandleResponse(handle=handle)
+        with tracing.server_context(context), tracing.span("claim", request.request_id,
+                                                           **{"distserve.kv.handle_id": request.handle_id,
+                                                              "distserve.kv.claimant": request.claimant_worker_id}):
+            if not request.handle_id:
+                self._count(request, "claim", "invalid")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handle_id: required")
+            try:
+                handle = await self._store.claim(request.handle_id, request.claimant_worker_id,
+                                                 self._config.claim_lease_s)
+            except HandleNotFound:
+                self._count(request, "claim", "not_found")
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"handle {request.handle_id} not found or expired")
+            except HandleNotReady:
+                self._count(request, "claim", "already_claimed")
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"handle {request.handle_id} already claimed")
+            self._count(request, "claim", "ok")
+            self._stats.num_claimed += 1
+            log.info("claim handle=%s request_id=%s by=%s", handle.handle_id, handle.request_id,
+                     request.claimant_worker_id)
+            return kvbroker_pb2.ClaimHandleResponse(handle=handle)
 
     async def ReleaseHandle(self, request, context):
-        self._count_request(request)
-        if not request.handle_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handle_id is required")
-        existed = await self._store.release(request.handle_id)
-        self._stats.num_released += 1
-        log.info("release handle=%s reason=%s existed=%s", request.handle_id, request.reason, existed)
-        return kvbroker_pb2.ReleaseHandleResponse(existed=existed)
+        with tracing.server_context(context), tracing.span("release", request.request_id,
+                                                           **{"distserve.kv.handle_id": request.handle_id,
+                                                              "distserve.kv.release_reason": request.reason}):
+            if not request.handle_id:
+                self._count(request, "release", "invalid")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handle_id: required")
+            existed = await self._store.release(request.handle_id)
+            self._count(request, "release", "ok" if existed else "gone")
+            self._stats.num_released += 1
+            log.info("release handle=%s request_id=%s reason=%s existed=%s", request.handle_id, request.request_id,
+                     request.reason, existed)
+            return kvbroker_pb2.ReleaseHandleResponse(existed=existed)
 
     async def GetBrokerStats(self, request, context):
         stats = kvbroker_pb2.GetBrokerStatsResponse()

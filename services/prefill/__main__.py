@@ -16,6 +16,8 @@ from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import ModelSpec
 from distserve.grpc_server import ChannelPool, Service, run_grpc_server
 from distserve.logs import setup_logging
+from distserve.metrics import PrefillMetrics, serve_metrics
+from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
 from distserve.transfer.ucx_transfer import KvSender
 from distserve.v1 import prefill_pb2_grpc
@@ -44,20 +46,31 @@ async def serve(config: PrefillConfig) -> None:
     batcher = PrefillBatcher(ModelRunner(model, config.device), spec.eos_token_ids, spec.max_context,
                              config.max_batch_tokens)
     held = HeldKv()
-    sender = KvSender(lookup=held.lookup, on_sent=held.free)
+    metrics = PrefillMetrics()
+
+    def on_sent(handle_id: str, num_bytes: int, seconds: float) -> None:
+        held.free(handle_id)
+        metrics.kv_transfer_bytes.inc(num_bytes)
+        metrics.kv_transfer_time.observe(seconds)
+
+    sender = KvSender(lookup=held.lookup, on_sent=on_sent)
     ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
     redis = aioredis.from_url(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool()
     servicer = PrefillServicer(config, spec, config.dtype, batcher, held, sender,
                                BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s),
-                               ucx_address)
+                               ucx_address, metrics)
+    serve_metrics(config.metrics_port, config.host)
     worker_id = config.resolved_worker_id
     tasks: list[asyncio.Task] = []
 
     def record() -> WorkerRecord:
         load = {"outstanding_tokens": batcher.outstanding_tokens, "num_waiting": batcher.num_waiting,
                 "held_bytes": held.num_bytes}
+        metrics.waiting.set(batcher.num_waiting)
+        metrics.running.set(batcher.num_running)
+        metrics.held_bytes.set(held.num_bytes)
         return WorkerRecord(worker_id, "prefill", f"{config.advertise_host}:{config.port}", ucx_address, load)
 
     async def on_ready(port: int) -> None:
@@ -82,10 +95,12 @@ async def serve(config: PrefillConfig) -> None:
         sender.stop()
         await channels.close()
         await redis.aclose()
+        shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("prefill")
+    init_tracing("distserve-prefill")
     config = parse_config(PrefillConfig, argv, prefix="DISTSERVE_PREFILL_")
     asyncio.run(serve(config))
 

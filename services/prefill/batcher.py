@@ -31,6 +31,13 @@ class PrefillResult:
     kv: torch.Tensor  # [L, 2, H, T, D] on the CPU
     queue_s: float
     prefill_s: float
+    # wall-clock stage boundaries (ns) for tracing: enqueued -> forward start -> forward end -> sampled
+    enqueued_ns: int
+    forward_start_ns: int
+    forward_end_ns: int
+    sampled_ns: int
+    batch_size: int
+    batch_tokens: int  # padded tokens in the forward
 
 
 @dataclasses.dataclass
@@ -39,6 +46,7 @@ class _Pending:
     params: SamplingParams
     future: asyncio.Future
     enqueued_at: float = dataclasses.field(default_factory=time.monotonic)
+    enqueued_ns: int = dataclasses.field(default_factory=time.time_ns)
 
 
 class PrefillBatcher:
@@ -52,6 +60,7 @@ class PrefillBatcher:
         self.num_batches = 0
         self.max_batch_size = 0
         self.num_running_tokens = 0
+        self.num_running = 0
 
     @property
     def num_waiting(self) -> int:
@@ -92,6 +101,7 @@ class PrefillBatcher:
             self.num_batches += 1
             self.max_batch_size = max(self.max_batch_size, len(batch))
             self.num_running_tokens = sum(len(p.prompt) for p in batch)
+            self.num_running = len(batch)
             try:
                 results = await asyncio.to_thread(self._forward, batch)
             except Exception as exc:  # a failed forward fails its requests, not the worker
@@ -100,19 +110,21 @@ class PrefillBatcher:
                         pending.future.set_exception(exc)
                 continue
             finally:
-                self.num_running_tokens = 0
+                self.num_running_tokens = self.num_running = 0
             for pending, result in zip(batch, results):
                 if not pending.future.done():
                     pending.future.set_result(result)
 
     def _forward(self, batch: list[_Pending]) -> list[PrefillResult]:
-        started = time.monotonic()
+        started, start_ns = time.monotonic(), time.time_ns()
         logits, kvs = self._runner.prefill([p.prompt for p in batch])
-        prefill_s = time.monotonic() - started
+        prefill_s, end_ns = time.monotonic() - started, time.time_ns()
+        padded = max(len(p.prompt) for p in batch) * len(batch)
         results = []
         for b, pending in enumerate(batch):
             params = pending.params
             token = sample_token(logits[b], params, 0, banned_token_ids(params, self._eos_ids, 0))
             finish = finish_reason_for(token, 1, len(pending.prompt) + 1, params, self._eos_ids, self._max_context)
-            results.append(PrefillResult(token, finish, kvs[b], started - pending.enqueued_at, prefill_s))
+            results.append(PrefillResult(token, finish, kvs[b], started - pending.enqueued_at, prefill_s,
+                                         pending.enqueued_ns, start_ns, end_ns, time.time_ns(), len(batch), padded))
         return results

@@ -13,6 +13,7 @@ class PrefillConfig:
     """prefill worker: runs prompts and serves their KV caches over UCX."""
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
+    metrics_port: int = setting(9102, "port of the Prometheus /metrics endpoint (0: off)")
     port: int = setting(50070, "gRPC port")
     advertise_host: str = setting("127.0.0.1", "host other services use to reach this worker")
     ucx_port: int = setting(0, "UCX listener port (0: any free port)")

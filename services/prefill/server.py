@@ -8,12 +8,14 @@ import uuid
 
 import grpc
 
+from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
 from distserve.engine.model_spec import ModelSpec
+from distserve.metrics import PrefillMetrics
 from distserve.transfer.ucx_transfer import KvSender
 from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
-from services.prefill.batcher import PrefillBatcher
+from services.prefill.batcher import PrefillBatcher, PrefillResult
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 
@@ -35,7 +37,7 @@ def prompt_error(tokens, spec: ModelSpec) -> str | None:
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, config: PrefillConfig, spec: ModelSpec, dtype_name: str, batcher: PrefillBatcher,
                  held: HeldKv, sender: KvSender, broker: BrokerClient,
-                 ucx_address: str):
+                 ucx_address: str, metrics: PrefillMetrics):
         self._config = config
         self._spec = spec
         self._dtype_name = dtype_name
@@ -44,27 +46,42 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._sender = sender
         self._broker = broker
         self._ucx_address = ucx_address
+        self._metrics = metrics
 
     async def Prefill(self, request, context):
-        params = sampling_from_proto(request.sampling)
-        error = prompt_error(request.prompt_token_ids, self._spec)
-        if error or params.max_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error or "sampling.max_tokens: must be > 0")
-        prompt = list(request.prompt_token_ids)
-        result = await self._batcher.submit(prompt, params)
-        timings = common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s)
-        response = prefill_pb2.PrefillResponse(
-            request_id=request.request_id, first_token_id=result.first_token,
-            finish_reason=finish_to_proto(result.finish_reason), timings=timings,
-        )
-        log.info("prefill request_id=%s tokens=%d queue_s=%.4f prefill_s=%.4f", request.request_id,
-                 len(prompt), result.queue_s, result.prefill_s)
-        if result.finish_reason is not None:
+        rid = request.request_id
+        with tracing.server_context(context), tracing.span("prefill", rid, **{
+                "gen_ai.operation.name": "text_completion", "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+                "distserve.worker": self._config.resolved_worker_id}):
+            params = sampling_from_proto(request.sampling)
+            error = prompt_error(request.prompt_token_ids, self._spec)
+            if error or params.max_tokens <= 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error or "sampling.max_tokens: must be > 0")
+            prompt = list(request.prompt_token_ids)
+            result = await self._batcher.submit(prompt, params)
+            self._record(rid, len(prompt), result)
+            response = prefill_pb2.PrefillResponse(
+                request_id=rid, first_token_id=result.first_token, finish_reason=finish_to_proto(result.finish_reason),
+                timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s))
+            if result.finish_reason is not None:
+                return response
+            response.kv_handle_id = uuid.uuid4().hex
+            response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))
+            await self._register(rid, response, result.kv, context)
             return response
-        response.kv_handle_id = uuid.uuid4().hex
-        response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))
-        await self._register(request.request_id, response, result.kv, context)
-        return response
+
+    def _record(self, rid: str, num_tokens: int, result: PrefillResult) -> None:
+        """Stage spans, metrics and the log line for one finished prefill."""
+        tracing.record_span("queue", rid, result.enqueued_ns, result.forward_start_ns)
+        tracing.record_span("forward", rid, result.forward_start_ns, result.forward_end_ns, **{
+            "distserve.batch.size": result.batch_size, "distserve.batch.padded_tokens": result.batch_tokens})
+        tracing.record_span("first_token", rid, result.forward_end_ns, result.sampled_ns, **{
+            "distserve.token_id": result.first_token})
+        self._metrics.queue_time.observe(result.queue_s)
+        self._metrics.prefill_time.observe(result.prefill_s)
+        self._metrics.prompt_tokens.inc(num_tokens)
+        log.info("prefill request_id=%s tokens=%d batch=%d queue_s=%.4f prefill_s=%.4f", rid, num_tokens,
+                 result.batch_size, result.queue_s, result.prefill_s)
 
     def _layout(self, num_tokens: int, kv) -> common_pb2.KvLayout:
         return common_pb2.KvLayout(
@@ -85,7 +102,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await self._broker.register(handle, self._config.kv_lease_s)
         except asyncio.CancelledError:
             self._held.free(handle_id)
-            self._broker.release_soon(handle_id, "cancelled")  # the record may have been written
+            self._broker.release_soon(handle_id, "cancelled", request_id)  # the record may have been written
             raise
         except grpc.aio.AioRpcError as exc:
             self._held.free(handle_id)

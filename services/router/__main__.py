@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from pathlib import Path
 
 import redis.asyncio as aioredis
 
@@ -14,6 +15,8 @@ from distserve.engine.model_loader import load_tokenizer, resolve_model_path
 from distserve.engine.model_spec import load_model_spec
 from distserve.grpc_server import ChannelPool, Service, run_grpc_server
 from distserve.logs import setup_logging
+from distserve.metrics import RouterMetrics, serve_metrics
+from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.registry import WorkerRegistry
 from distserve.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
@@ -28,7 +31,9 @@ async def serve(config: RouterConfig) -> None:
     redis = aioredis.from_url(config.redis_url)
     picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s)
     channels = ChannelPool()
-    servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels)
+    servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels,
+                              model_name=Path(path).name, metrics=RouterMetrics())
+    serve_metrics(config.metrics_port, config.host)
     tasks: list[asyncio.Task] = []
 
     async def on_ready(port: int) -> None:
@@ -45,10 +50,12 @@ async def serve(config: RouterConfig) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
         await channels.close()
         await redis.aclose()
+        shutdown_tracing()
 
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("router")
+    init_tracing("distserve-router")
     config = parse_config(RouterConfig, argv, prefix="DISTSERVE_ROUTER_")
     asyncio.run(serve(config))
 

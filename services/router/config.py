@@ -12,6 +12,7 @@ class RouterConfig:
     """router: public streaming Generate API in front of prefill and decode workers."""
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
+    metrics_port: int = setting(9100, "port of the Prometheus /metrics endpoint (0: off)")
     port: int = setting(50051, "gRPC port")
     model: str = setting("default", "HF model folder (tokenizer and limits)", env="DISTSERVE_MODEL")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")

@@ -9,12 +9,15 @@ import time
 import uuid
 
 import grpc
+from opentelemetry import trace
 
+from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_from_proto, finish_to_proto, sampling_to_proto
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import FinishReason, SamplingParams
 from distserve.grpc_server import ChannelPool
+from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
@@ -37,44 +40,83 @@ class _Request:
     text: TextStream
     started: float
     num_completion: int = 0
+    last_message_at: float = 0.0
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, config: RouterConfig, tokenizer, spec: ModelSpec, picker: WorkerPicker,
-                 channels: ChannelPool):
+                 channels: ChannelPool, model_name: str, metrics: RouterMetrics):
         self._config = config
         self._tokenizer = tokenizer
         self._spec = spec
         self._picker = picker
         self._channels = channels
+        self._model_name = model_name
+        self._metrics = metrics
         self._broker = BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s)
 
     async def Generate(self, request, context):
+        request_id = request.request_id or uuid.uuid4().hex
+        self._metrics.running.inc()
+        try:
+            with tracing.server_context(context), tracing.span(
+                    "router.generate", request_id, **{"gen_ai.operation.name": "text_completion",
+                                                      "gen_ai.request.model": self._model_name}):
+                req = await self._accept(request, request_id, context)
+                prefill_worker, decode_worker = await self._route(req, context)
+                # The decode worker counts as loaded from the moment it is chosen, so concurrent
+                # requests spread out instead of all seeing the same idle worker.
+                with self._picker.track(decode_worker, 1):
+                    async for message in self._run(req, prefill_worker, decode_worker, context):
+                        yield message
+        finally:
+            self._metrics.running.dec()
+
+    async def _accept(self, request, request_id: str, context) -> _Request:
         try:
             prompt, params = validate_request(request, self._tokenizer, self._spec)
         except InvalidRequest as exc:
+            self._metrics.failures.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not params.is_greedy and params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))  # reproducible from the trace
-        req = _Request(request.request_id or uuid.uuid4().hex, prompt, params,
-                       TextStream(self._tokenizer, params.stop), time.monotonic())
-        prefill_worker, decode_worker = await self._pick(context)
-        # The decode worker counts as loaded from the moment it is chosen, so concurrent
-        # requests spread out instead of all seeing the same idle worker.
-        with self._picker.track(decode_worker, 1):
-            async for message in self._run(req, prefill_worker, decode_worker, context):
-                yield message
+        trace.get_current_span().set_attributes({
+            "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p, "gen_ai.request.seed": params.seed or 0,
+            "gen_ai.usage.input_tokens": len(prompt)})
+        self._metrics.prompt_tokens.inc(len(prompt))
+        return _Request(request_id, prompt, params, TextStream(self._tokenizer, params.stop), time.monotonic())
+
+    async def _route(self, req: _Request, context) -> tuple[WorkerRecord, WorkerRecord]:
+        with tracing.span("route", req.request_id) as span:
+            prefill_worker, decode_worker = self._picker.pick_prefill(), self._picker.pick_decode()
+            if prefill_worker is None or decode_worker is None:
+                missing = "prefill" if prefill_worker is None else "decode"
+                self._metrics.failures.labels(code="UNAVAILABLE").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"no {missing} worker is available")
+            span.set_attributes({
+                "distserve.prefill.worker": prefill_worker.worker_id,
+                "distserve.prefill.reason": "least outstanding prompt tokens "
+                                            f"({prefill_worker.load.get('outstanding_tokens', 0)} reported)",
+                "distserve.decode.worker": decode_worker.worker_id,
+                "distserve.decode.reason": "fewest running sequences, then most free blocks "
+                                           f"({decode_worker.load.get('num_running', 0)} running, "
+                                           f"{decode_worker.load.get('free_blocks', 0)} free blocks)",
+                "distserve.prefill.candidates": len(self._picker.workers("prefill")),
+                "distserve.decode.candidates": len(self._picker.workers("decode"))})
+        log.info("route request_id=%s prefill=%s decode=%s prompt_tokens=%d", req.request_id,
+                 prefill_worker.worker_id, decode_worker.worker_id, len(req.prompt))
+        return prefill_worker, decode_worker
 
     async def _run(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord, context):
         with self._picker.track(prefill_worker, len(req.prompt)):
             first = await self._prefill(req, prefill_worker, context)
-        log.info("route request_id=%s prefill=%s decode=%s prompt_tokens=%d", req.request_id,
-                 prefill_worker.worker_id, decode_worker.worker_id, len(req.prompt))
         handed_to_decode = False
         try:
             timings = common_pb2.Timings()
             timings.MergeFrom(first.timings)
             timings.first_token_s = time.monotonic() - req.started
+            self._metrics.ttft.observe(timings.first_token_s)
             finish = finish_from_proto(first.finish_reason)
             message = self._chunk(req, [first.first_token_id], finish, timings)
             message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
@@ -87,14 +129,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         finally:
             if first.kv_handle_id and not handed_to_decode:
                 # no decode worker will claim it (cancelled, or failed before decode)
-                self._broker.release_soon(first.kv_handle_id, "cancelled")
-
-    async def _pick(self, context) -> tuple[WorkerRecord, WorkerRecord]:
-        prefill_worker, decode_worker = self._picker.pick_prefill(), self._picker.pick_decode()
-        if prefill_worker is None or decode_worker is None:
-            missing = "prefill" if prefill_worker is None else "decode"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no {missing} worker is available")
-        return prefill_worker, decode_worker
+                self._broker.release_soon(first.kv_handle_id, "cancelled", req.request_id)
 
     async def _prefill(self, req: _Request, worker: WorkerRecord, context) -> prefill_pb2.PrefillResponse:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channels.get(worker.address))
@@ -118,10 +153,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     timings.MergeFrom(response.timings)
                 message = self._chunk(req, list(response.token_ids), finish, timings)
                 yield message
-                if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    if finish is None:
-                        call.cancel()  # a stop string ended the request before the worker did
+                if finish is not None:
+                    async for _ in call:  # the worker's stream ends right after its last message;
+                        pass              # waiting for that keeps its spans inside this request's
                     return
+                if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    return  # a stop string ended it first: the finally cancels the worker's call
         except grpc.aio.AioRpcError as exc:
             await self._abort_for(exc, worker, "decode", context)
         finally:
@@ -129,7 +166,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None,
                timings: common_pb2.Timings) -> router_pb2.GenerateResponse:
+        now = time.monotonic()
+        if req.num_completion and token_ids:
+            for _ in token_ids:
+                self._metrics.itl.observe((now - req.last_message_at) / len(token_ids))
+        req.last_message_at = now
         req.num_completion += len(token_ids)
+        self._metrics.generation_tokens.inc(len(token_ids))
         text = req.text.add(token_ids)
         if req.text.stopped:
             finish = FinishReason.STOP
@@ -138,12 +181,19 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         message = router_pb2.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text,
                                               finish_reason=finish_to_proto(finish))
         if finish is not None:
-            message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt),
-                                                    completion_tokens=req.num_completion))
-            message.timings.CopyFrom(timings)
-            log.info("finish request_id=%s reason=%s completion_tokens=%d e2e_s=%.4f", req.request_id,
-                     finish.value, req.num_completion, time.monotonic() - req.started)
+            self._finish(req, finish, message, timings)
         return message
+
+    def _finish(self, req: _Request, finish: FinishReason, message, timings: common_pb2.Timings) -> None:
+        message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=req.num_completion))
+        message.timings.CopyFrom(timings)
+        e2e_s = time.monotonic() - req.started
+        self._metrics.e2e.observe(e2e_s)
+        self._metrics.success.labels(finished_reason=finish.value).inc()
+        trace.get_current_span().set_attributes({"gen_ai.usage.output_tokens": req.num_completion,
+                                                 "gen_ai.response.finish_reasons": [finish.value]})
+        log.info("finish request_id=%s reason=%s completion_tokens=%d e2e_s=%.4f", req.request_id,
+                 finish.value, req.num_completion, e2e_s)
 
     async def _abort_for(self, exc: grpc.aio.AioRpcError, worker: WorkerRecord, stage: str, context) -> None:
         code = exc.code()
@@ -151,4 +201,5 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             self._picker.mark_suspect(worker)
         if code not in _PASS_THROUGH:
             code = grpc.StatusCode.UNAVAILABLE
+        self._metrics.failures.labels(code=code.name).inc()
         await context.abort(code, f"{stage} worker {worker.worker_id}: {exc.details()}")

@@ -22,19 +22,18 @@ class TextStream:
     def add(self, token_ids: list[int]) -> str:
         """Adds tokens; returns the newly final text. Sets `stopped` when a stop string appears."""
         self._ids.extend(token_ids)
-        search_from = max(0, len(self._text) - self._hold)
         self._text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        for stop in self._stop:
-            at = self._text.find(stop, search_from)
-            if at >= 0:  # later stops search the cut text, so the earliest match wins
-                self._text = self._text[:at]
-                self.stopped = True
-        if self.stopped:
+        # Text before _emitted is final, so a stop string can only start within the hold-back window.
+        search_from = max(0, self._emitted - self._hold)
+        hits = [at for at in (self._text.find(stop, search_from) for stop in self._stop) if at >= 0]
+        if hits:
+            self._text = self._text[: min(hits)]  # the earliest stop wins, whatever the list order
+            self.stopped = True
             return self._release(len(self._text))
-        end = len(self._text) - self._hold
+        end = len(self._text)
         while end > self._emitted and self._text[end - 1] == "\ufffd":
-            end -= 1
-        return self._release(end)
+            end -= 1  # an incomplete UTF-8 sequence: the next token completes it
+        return self._release(end - self._hold)
 
     def flush(self) -> str:
         """Everything not yet returned (call once the request has finished)."""

@@ -14,15 +14,27 @@ import redis
 
 from distserve.launcher import Cluster, ClusterSpec
 from distserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.otlp_receiver import OtlpReceiver
 
 WORKER_LEASE_S = 2.0
 
 
 @pytest.fixture(scope="session")
-def cluster(tiny_model_path, tmp_path_factory):
+def otlp_receiver():
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_model_path, tmp_path_factory, otlp_receiver):
+    # Every service exports its spans to the test's OTLP receiver, flushing quickly.
+    tracing_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
+                   "OTEL_BSP_SCHEDULE_DELAY": "100"}
     spec = ClusterSpec(
-        model=tiny_model_path, num_prefill=2, num_decode=2, gateway_port=None,
-        router_port=0, broker_port=0, prefill_base_port=0, decode_base_port=0, redis_port=0,
+        model=tiny_model_path, num_prefill=2, num_decode=2, gateway_port=0,
+        router_port=0, broker_port=0, prefill_base_port=0, decode_base_port=0, redis_port=0, metrics_base_port=0,
+        env=tracing_env,
         log_dir=str(tmp_path_factory.mktemp("logs")),
         prefill_args=["--max-batch-tokens", "2048", "--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5"],
         decode_args=["--kv-cache-mb", "64", "--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5"],

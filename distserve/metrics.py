@@ -1,0 +1,76 @@
+"""Prometheus metrics, named as vLLM names them under the `distserve:` prefix, with vLLM's bucket edges.
+
+Each service builds the group it updates and serves them on its own /metrics
+port (`serve_metrics`). Histograms are in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+PREFIX = "distserve:"
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Serves /metrics from a background thread; port 0 disables it."""
+    if port:
+        start_http_server(port, addr=host)
+        log.info("metrics on http://%s:%d/metrics", host, port)
+
+
+def _hist(name: str, doc: str, buckets: list[float], labels: tuple[str, ...] = ()) -> Histogram:
+    return Histogram(PREFIX + name, doc, labels, buckets=buckets)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.ttft = _hist("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = _hist("inter_token_latency_seconds", "Time between streamed token messages, per token",
+                         ITL_BUCKETS)
+        self.e2e = _hist("e2e_request_latency_seconds", "End-to-end request latency", REQUEST_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Completion tokens generated")
+        self.success = Counter(PREFIX + "request_success", "Finished requests", ["finished_reason"])
+        self.failures = Counter(PREFIX + "request_failure", "Requests that ended in an error", ["code"])
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in flight through the router")
+
+
+class PrefillMetrics:
+    def __init__(self) -> None:
+        self.queue_time = _hist("request_queue_time_seconds", "Time waiting for a prefill batch", REQUEST_BUCKETS)
+        self.prefill_time = _hist("request_prefill_time_seconds", "Prefill forward time", REQUEST_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled")
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Prompts waiting for a batch")
+        self.running = Gauge(PREFIX + "num_requests_running", "Prompts in the running batch")
+        self.kv_transfer_time = _hist("kv_transfer_seconds", "KV transfer time, sending side", TRANSFER_BUCKETS)
+        self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes sent over UCX")
+        self.held_bytes = Gauge(PREFIX + "kv_held_bytes", "KV bytes held for decode workers")
+
+
+class DecodeMetrics:
+    def __init__(self) -> None:
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        self.running = Gauge(PREFIX + "num_requests_running", "Sequences in the running batch")
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting to join the batch")
+        self.queue_time = _hist("request_queue_time_seconds", "KV loaded to joined the batch", REQUEST_BUCKETS)
+        self.decode_time = _hist("request_decode_time_seconds", "Time in the running batch", REQUEST_BUCKETS)
+        self.kv_transfer_time = _hist("kv_transfer_seconds", "KV transfer time, receiving side", TRANSFER_BUCKETS)
+        self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes received over UCX")
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated")
+        self.success = Counter(PREFIX + "request_success", "Finished sequences", ["finished_reason"])
+
+
+class BrokerMetrics:
+    def __init__(self) -> None:
+        self.operations = Counter(PREFIX + "kv_handle_operations", "Handle operations", ["operation", "outcome"])

@@ -1,0 +1,77 @@
+"""One trace per request across every service, exported over OTLP/gRPC to the test's receiver."""
+
+from __future__ import annotations
+
+import time
+
+from distserve.engine.model_spec import load_model_spec
+from tests.builders import generate, token_request
+
+PROMPT_LEN = 300
+# (service, span) -> expected parent (service, span); None for the root
+EXPECTED_TREE = {
+    ("distserve-router", "router.generate"): None,
+    ("distserve-router", "route"): ("distserve-router", "router.generate"),
+    ("distserve-prefill", "prefill"): ("distserve-router", "router.generate"),
+    ("distserve-prefill", "queue"): ("distserve-prefill", "prefill"),
+    ("distserve-prefill", "forward"): ("distserve-prefill", "prefill"),
+    ("distserve-prefill", "first_token"): ("distserve-prefill", "prefill"),
+    ("distserve-kvbroker", "register"): ("distserve-prefill", "prefill"),
+    ("distserve-decode", "decode"): ("distserve-router", "router.generate"),
+    ("distserve-decode", "kv_load"): ("distserve-decode", "decode"),
+    ("distserve-kvbroker", "claim"): ("distserve-decode", "kv_load"),
+    ("distserve-decode", "kv_transfer.recv"): ("distserve-decode", "kv_load"),
+    ("distserve-prefill", "kv_transfer.send"): ("distserve-decode", "kv_transfer.recv"),
+    ("distserve-kvbroker", "release"): ("distserve-decode", "decode"),
+    ("distserve-decode", "queue"): ("distserve-decode", "decode"),
+    ("distserve-decode", "generate"): ("distserve-decode", "decode"),
+    ("distserve-decode", "stream"): ("distserve-decode", "decode"),
+}
+CLOCK_SLACK_NS = 2_000_000  # stage spans measured in threads are converted from the monotonic clock
+
+
+def collect(receiver, request_id: str, expected: int, timeout_s: float = 15):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = receiver.spans_for(request_id)
+        if len(spans) >= expected:
+            time.sleep(0.5)  # anything late would show up now
+            return receiver.spans_for(request_id)
+        time.sleep(0.1)
+    return receiver.spans_for(request_id)
+
+
+def test_one_trace_spans_every_stage(cluster, otlp_receiver, tiny_model_path):
+    request_id = "trace-one-request"
+    request = token_request(list(range(40, 40 + PROMPT_LEN)), max_tokens=6)
+    request.request_id = request_id
+    generate(cluster.router_address, request)
+    spans = collect(otlp_receiver, request_id, len(EXPECTED_TREE))
+
+    assert len({s.trace_id for s in spans}) == 1, "one trace id for the whole request"
+    with otlp_receiver._lock:
+        in_trace = [s for s in otlp_receiver.spans if s.trace_id == spans[0].trace_id]
+    assert all(s.attributes.get("gen_ai.request.id") == request_id for s in in_trace), "request id on every span"
+    by_key = {(s.service, s.name): s for s in spans}
+    assert set(by_key) == set(EXPECTED_TREE), sorted(set(by_key) ^ set(EXPECTED_TREE))
+    by_id = {s.span_id: s for s in spans}
+    for key, parent_key in EXPECTED_TREE.items():
+        span = by_key[key]
+        if parent_key is None:
+            assert not span.parent_id
+            continue
+        parent = by_id.get(span.parent_id)
+        assert parent is not None and (parent.service, parent.name) == parent_key, (key, parent)
+        assert span.start_ns >= parent.start_ns - CLOCK_SLACK_NS, (key, "starts before its parent")
+        assert span.end_ns <= parent.end_ns + CLOCK_SLACK_NS, (key, "ends after its parent")
+
+    spec = load_model_spec(tiny_model_path)
+    handle_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * PROMPT_LEN * 4
+    for side in ("kv_transfer.send", "kv_transfer.recv"):
+        attrs = next(s for s in spans if s.name == side).attributes
+        assert attrs["distserve.kv.bytes"] == handle_bytes
+        assert attrs["distserve.kv.transfer_gbps"] > 0 and attrs["network.transport"] == "ucx"
+    root = by_key[("distserve-router", "router.generate")].attributes
+    assert root["gen_ai.request.max_tokens"] == 6 and root["gen_ai.usage.input_tokens"] == PROMPT_LEN
+    assert root["gen_ai.usage.output_tokens"] == 6 and root["gen_ai.response.finish_reasons"] == ["length"]
+    assert root["gen_ai.operation.name"] == "text_completion" and root["gen_ai.request.model"]
