@@ -114,6 +114,23 @@ def _demo(args) -> int:
         cluster.stop()
 
 
+def _trace(args) -> int:
+    from distserve.trace_view import fetch_trace, render_waterfall, rows_from_jaeger
+
+    try:
+        reply = fetch_trace(args.jaeger, args.service, args.request_id)
+    except OSError as exc:
+        print(f"error: cannot query {args.jaeger}: {exc}", file=sys.stderr)
+        return 1
+    traces = reply.get("data") or []
+    if not traces:
+        print(f"no trace found for request id {args.request_id}", file=sys.stderr)
+        return 1
+    for trace in traces:
+        print(render_waterfall(rows_from_jaeger(trace)))
+    return 0
+
+
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -134,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt")
     gen.add_argument("--router", default="127.0.0.1:50051")
     _add_generate_args(gen)
+    trace = commands.add_parser("trace", help="print a request's trace from Jaeger as a waterfall")
+    trace.add_argument("request_id")
+    trace.add_argument("--jaeger", default="http://127.0.0.1:16686", help="Jaeger query (UI) base URL")
+    trace.add_argument("--service", default="distserve-router", help="service to search the request id in")
     args = parser.parse_args(argv)
-    return {"up": _up, "demo": _demo, "generate": _generate}[args.command](args)
+    return {"up": _up, "demo": _demo, "generate": _generate, "trace": _trace}[args.command](args)
 
 
 if __name__ == "__main__":

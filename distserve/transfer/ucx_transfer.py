@@ -5,6 +5,7 @@ its fetches per peer with a lock, so messages never interleave):
     decode -> prefill  header: 512 bytes, JSON {handle_id, request_id, traceparent}, NUL padded
     prefill -> decode  size:   int64, the buffer's byte count, or -1 if unknown
     prefill -> decode  data:   the KV buffer itself (zero-copy from the tensor)
+    prefill -> decode  done:   int64, once the sender's send completed (its trace span has ended)
     decode -> prefill  ack:    int64, 1 once the bytes are in place
 The sender frees the buffer on the ack. Endpoints are kept per peer and
 re-created after an error.
@@ -117,8 +118,8 @@ class KvSender:
             await ep.send(np.array([-1], dtype=np.int64))
             return
         data = _as_bytes(tensor)
-        # The span (a child of the receiver's) covers the send; waiting for the ack stays
-        # outside it, so it always ends within its parent.
+        # The span is a child of the receiver's; "done" follows its end, and the receiver waits
+        # for "done", so the span always ends within its parent.
         with tracing.remote_context(fields), tracing.span("kv_transfer.send", fields["request_id"],
                                                           **{"distserve.kv.handle_id": handle_id}) as span:
             started = time.perf_counter()
@@ -126,6 +127,7 @@ class KvSender:
             await ep.send(data)
             seconds = time.perf_counter() - started
             span.set_attributes(_transfer_attributes(data.nbytes, seconds))
+        await ep.send(np.array([1], dtype=np.int64))
         ack = np.empty(1, dtype=np.int64)
         await ep.recv(ack)
         self.counters.num_transfers += 1
@@ -189,6 +191,8 @@ class KvReceiver:
         if int(size[0]) != target.nbytes:
             raise TransferError(f"{handle_id}: sender has {int(size[0])} bytes, expected {target.nbytes}")
         await ep.recv(target)
+        done = np.empty(1, dtype=np.int64)
+        await ep.recv(done)
         await ep.send(np.array([1], dtype=np.int64))
         self.counters.num_transfers += 1
         self.counters.num_bytes += target.nbytes

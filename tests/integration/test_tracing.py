@@ -75,3 +75,52 @@ def test_one_trace_spans_every_stage(cluster, otlp_receiver, tiny_model_path):
     assert root["gen_ai.request.max_tokens"] == 6 and root["gen_ai.usage.input_tokens"] == PROMPT_LEN
     assert root["gen_ai.usage.output_tokens"] == 6 and root["gen_ai.response.finish_reasons"] == ["length"]
     assert root["gen_ai.operation.name"] == "text_completion" and root["gen_ai.request.model"]
+
+
+def test_distserve_trace_prints_waterfall_from_jaeger_api(cluster, otlp_receiver, capsys):
+    import http.server
+    import json
+    import threading
+    import urllib.parse
+
+    from distserve.cli import main
+    from tests.otlp_receiver import as_jaeger_trace
+
+    request_id = "trace-cli-request"
+    request = token_request(list(range(70, 90)), max_tokens=3)
+    request.request_id = request_id
+    generate(cluster.router_address, request)
+    spans = collect(otlp_receiver, request_id, len(EXPECTED_TREE))
+    queries = []
+
+    class JaegerQuery(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            url = urllib.parse.urlparse(self.path)
+            queries.append((url.path, urllib.parse.parse_qs(url.query)))
+            body = json.dumps(as_jaeger_trace(spans)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), JaegerQuery)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert main(["trace", request_id, "--jaeger", f"http://127.0.0.1:{server.server_port}"]) == 0
+    finally:
+        server.shutdown()
+    out = capsys.readouterr().out
+    path, params = queries[0]
+    assert path == "/api/traces" and params["service"] == ["distserve-router"]
+    assert json.loads(params["tags"][0]) == {"gen_ai.request.id": request_id}
+    lines = out.splitlines()
+    assert lines[0].startswith(f"trace: {len(spans)} spans")
+    assert lines[1].startswith("router.generate") and "distserve-router" in lines[1]
+    for (service, name), parent in EXPECTED_TREE.items():
+        line = next(ln for ln in lines[1:] if ln.split()[0] == name and service in ln)
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        assert (depth == 0) == (parent is None)
+        assert " ms  |" in line
