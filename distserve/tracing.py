@@ -55,23 +55,36 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer("distserve")
 
 
-@contextlib.contextmanager
-def span(name: str, request_id: str, **attributes: Any) -> Iterator[trace.Span]:
-    """A span under the current context, tagged with the request id; exceptions are recorded."""
+_NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def span(name: str, request_id: str, **attributes: Any):
+    """A span under the current context, tagged with the request id; exceptions are recorded.
+
+    Without an installed SDK this returns a shared no-op context at once (tracing off costs ~nothing).
+    """
+    if not _installed:
+        return _NO_SPAN
     attrs = {REQUEST_ID: request_id, **{k: v for k, v in attributes.items() if v is not None}}
-    with tracer().start_as_current_span(name, attributes=attrs) as current:
-        yield current
+    return tracer().start_as_current_span(name, attributes=attrs)
 
 
 def record_span(name: str, request_id: str, start_ns: int, end_ns: int, **attributes: Any) -> None:
     """Records a finished stage (measured elsewhere, e.g. in a batch thread) under the current span."""
+    if not _installed:
+        return
     attrs = {REQUEST_ID: request_id, **{k: v for k, v in attributes.items() if v is not None}}
     tracer().start_span(name, start_time=start_ns, attributes=attrs).end(end_time=max(start_ns, end_ns))
 
 
-@contextlib.contextmanager
-def remote_context(headers: dict[str, str]) -> Iterator[None]:
+def remote_context(headers: dict[str, str]):
     """Makes the trace context carried in headers (traceparent) current inside the block."""
+    return _attached(headers) if _installed else _NO_CONTEXT
+
+
+@contextlib.contextmanager
+def _attached(headers: dict[str, str]) -> Iterator[None]:
     token = otel_context.attach(propagate.extract(headers))
     try:
         yield
@@ -81,12 +94,15 @@ def remote_context(headers: dict[str, str]) -> Iterator[None]:
 
 def server_context(grpc_context):
     """Makes the caller's trace context (from gRPC metadata) current for this handler."""
+    if not _installed:
+        return _NO_CONTEXT
     return remote_context({k: v for k, v in (grpc_context.invocation_metadata() or ()) if isinstance(v, str)})
 
 
 def inject_headers(headers: dict[str, str]) -> dict[str, str]:
     """Adds W3C trace context (traceparent/tracestate) for the current span to headers."""
-    propagate.inject(headers)
+    if _installed:
+        propagate.inject(headers)
     return headers
 
 
@@ -105,6 +121,8 @@ def current_trace_id() -> str:
 
 
 def _with_trace_metadata(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    if not _installed:
+        return details
     metadata = list(details.metadata or ())
     metadata.extend(inject_headers({}).items())
     return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
