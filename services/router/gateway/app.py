@@ -1,0 +1,175 @@
+"""The aiohttp application: routes, API-key check, request ids, and errors as OpenAI error objects.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}]
+(API key required when configured), GET /health (ready to serve), GET /version.
+Run with handler_cancellation=True: a client that disconnects cancels its
+handler, whose `finally` cancels the router call.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+import distserve
+from services.router.gateway.answers import streamed_answer, whole_answer
+from services.router.gateway.chat_template import ChatTemplate
+from services.router.gateway.config import GatewayConfig
+from services.router.gateway.errors import ApiError, bad_request, internal_error
+from services.router.gateway.json_fields import parse_json_object
+from services.router.gateway.openai_protocol import (
+    ApiRequest,
+    check_model,
+    parse_chat,
+    parse_completion,
+    requested_model,
+)
+from services.router.gateway.responses import ID_PREFIX, AnswerMeta
+from services.router.gateway.router_client import RouterClient
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_LEN = 128  # the router's limit (services.router.validation)
+_REQUEST_ID = web.RequestKey("request_id", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Gateway:
+    """The handlers, with the router client they share (opened and closed by `lifespan`)."""
+
+    def __init__(self, config: GatewayConfig, template: ChatTemplate, served_model_name: str):
+        self._config = config
+        self._template = template
+        self.served_model_name = served_model_name
+        self._router: RouterClient | None = None
+        self._started = int(time.time())
+
+    async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
+        self._router = RouterClient(self._config)  # grpc.aio channels belong to the running loop
+        log.info("gateway ready: http=%s:%d router=%s model=%s", self._config.host, self._config.port,
+                 self._config.router_address, self.served_model_name)
+        yield
+        await self._router.close()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
+                web.get("/health", self.health), web.get("/version", self.version)]
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_json_object(await request.read())
+        check_model(requested_model(body), self.served_model_name)
+        return await self._answer(request, parse_completion(body))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_json_object(await request.read())
+        check_model(requested_model(body), self.served_model_name)
+        return await self._answer(request, parse_chat(body, self._template))
+
+    async def _answer(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
+        request_id = request[_REQUEST_ID]
+        meta = AnswerMeta(ID_PREFIX[api.endpoint] + request_id, int(time.time()), api.model, api.endpoint,
+                          include_usage=api.stream and api.include_usage)
+        answer = self._router.generate(api.to_router(request_id), api.params)
+        try:
+            if api.stream:
+                return await streamed_answer(request, meta, answer, {REQUEST_ID_HEADER: request_id})
+            return await whole_answer(meta, answer)
+        finally:
+            answer.cancel()  # finished: no-op; client gone or failed: the router cancels the workers
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        check_model(request.match_info["model"], self.served_model_name)
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.served_model_name, "object": "model", "created": self._started, "owned_by": "distserve"}
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when the router answers and a prefill and a decode worker are registered; else 503."""
+        problems = await self._router.readiness_problems()
+        if problems:
+            return web.json_response({"status": "unavailable", "problems": problems}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": distserve.__version__})
+
+
+def create_app(config: GatewayConfig, template: ChatTemplate, served_model_name: str) -> web.Application:
+    middlewares = [error_middleware] + ([api_key_middleware(config.api_key)] if config.api_key else [])
+    app = web.Application(middlewares=middlewares, client_max_size=int(config.max_body_mb * 2**20))
+    gateway = Gateway(config, template, served_model_name)
+    app.cleanup_ctx.append(gateway.lifespan)
+    app.add_routes(gateway.routes())
+    return app
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Assigns the request id (X-Request-Id in and out) and turns every failure into an OpenAI error."""
+    try:
+        request[_REQUEST_ID] = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+        response = await handler(request)
+    except ApiError as exc:
+        response = error_response(exc)
+    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+        response = error_response(_from_http_exception(exc, request))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        response = error_response(internal_error())
+    if not response.prepared:  # a stream sets its own headers before it starts
+        response.headers[REQUEST_ID_HEADER] = request.get(_REQUEST_ID) or uuid.uuid4().hex
+    return response
+
+
+def api_key_middleware(api_key: str) -> Callable:
+    """401 on /v1/* unless `Authorization: Bearer <api_key>`."""
+    expected = api_key.encode()
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+                raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    return check_api_key
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's X-Request-Id, checked as the router checks it, or a new one."""
+    if header is None:
+        return uuid.uuid4().hex
+    if not (0 < len(header) <= MAX_REQUEST_ID_LEN and header.isascii() and header.isprintable()):
+        raise bad_request(None, f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID_LEN} printable "
+                                "ASCII characters")
+    return header
+
+
+def error_response(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+
+
+def _from_http_exception(exc: web.HTTPException, request: web.Request) -> ApiError:
+    if exc.status == 404:
+        return ApiError(404, f"no route {request.method} {request.path}", code="not_found")
+    if exc.status == 405:
+        return ApiError(405, f"method {request.method} is not allowed on {request.path}", code="method_not_allowed")
+    if exc.status == 413:
+        return ApiError(413, f"the request body is too large: {exc.text}", code="request_too_large")
+    return ApiError(exc.status, exc.reason or "HTTP error", type="invalid_request_error" if exc.status < 500
+                    else "server_error")

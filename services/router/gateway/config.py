@@ -1,0 +1,38 @@
+"""gateway settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distserve.config import require, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    """gateway: OpenAI-compatible HTTP API (SSE streaming) in front of the router."""
+
+    host: str = setting("127.0.0.1", "interface to bind the HTTP server to")
+    port: int = setting(8000, "HTTP port")
+    router_address: str = setting("127.0.0.1:50051", "router gRPC address", env="DISTSERVE_ROUTER_ADDRESS")
+    model: str = setting("default", "HF model folder, or default[:small|tiny] (tokenizer, chat template)",
+                         env="DISTSERVE_MODEL")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis, read by /health",
+                             env="DISTSERVE_REDIS_URL")
+    served_model_name: str = setting("", "model name clients send and /v1/models lists "
+                                         "(default: the model folder's name)")
+    api_key: str = setting("", "when set, require `Authorization: Bearer <key>` on /v1/*",
+                           env="DISTSERVE_API_KEY")
+    request_timeout_s: float = setting(600.0, "deadline for one request's router call")
+    health_timeout_s: float = setting(1.0, "deadline for each check behind GET /health")
+    retry_after_s: int = setting(1, "Retry-After seconds sent with 429 (router out of KV capacity)")
+    max_body_mb: float = setting(8.0, "largest accepted request body, in MiB")
+    shutdown_grace_s: float = setting(10.0, "on SIGTERM, how long in-flight requests may still run")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(bool(self.router_address), "router_address", "must not be empty")
+        require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        require(self.health_timeout_s > 0, "health_timeout_s", "must be > 0")
+        require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        require(self.max_body_mb > 0, "max_body_mb", "must be > 0")
+        require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")

@@ -1,0 +1,230 @@
+"""OpenAI request bodies -> router GenerateRequest: every field type-checked, every bad field named.
+
+Ranges (temperature >= 0, the prompt fits the context, ...) are the router's to
+check, so they are checked once; its "<field>: <message>" errors are mapped
+back through `ApiRequest.params`. What the gateway checks is what the wire
+cannot carry or the router cannot know: JSON types, int32/uint64 limits, n,
+stream_options, batched prompts, chat messages, and unsupported OpenAI
+features (accepted only at their "off" value, e.g. presence_penalty 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from distserve.v1 import common_pb2, router_pb2
+from services.router.gateway.chat_template import ChatTemplate
+from services.router.gateway.errors import ApiError, bad_request
+from services.router.gateway.json_fields import Body, check_int_list, is_int, is_number, show
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiRequest:
+    """A type-checked OpenAI request, ready to send to the router."""
+
+    endpoint: Endpoint
+    model: str
+    stream: bool
+    include_usage: bool
+    prompt: str | tuple[int, ...]  # text (the router tokenizes) or token ids
+    sampling: common_pb2.SamplingParams
+    params: Mapping[str, str]  # router request field -> the client's field, for error messages
+
+    def to_router(self, request_id: str) -> router_pb2.GenerateRequest:
+        request = router_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling)
+        if isinstance(self.prompt, str):
+            request.text = self.prompt
+        else:
+            request.token_ids.ids.extend(self.prompt)
+        return request
+
+
+# Accepted, type-checked and ignored: they do not change the answer.
+_IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "user": (lambda v: isinstance(v, str), "a string"),
+    "metadata": (lambda v: isinstance(v, dict), "an object"),
+    "store": (lambda v: isinstance(v, bool), "a boolean"),
+    "service_tier": (lambda v: isinstance(v, str), "a string"),
+    "safety_identifier": (lambda v: isinstance(v, str), "a string"),
+    "prompt_cache_key": (lambda v: isinstance(v, str), "a string"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "a boolean"),
+}
+# Features this server does not implement: accepted only at the value that turns them off.
+_OFF_ONLY: dict[str, tuple[Callable[[Any], bool], str, tuple[Any, ...]]] = {
+    "frequency_penalty": (is_number, "a number", (0,)),
+    "presence_penalty": (is_number, "a number", (0,)),
+    "logit_bias": (lambda v: isinstance(v, dict), "an object", ({},)),
+    "logprobs": (lambda v: isinstance(v, (bool, int)), "an integer or a boolean", (0,)),
+    "top_logprobs": (is_int, "an integer", (0,)),
+    "best_of": (is_int, "an integer", (1,)),
+    "echo": (lambda v: isinstance(v, bool), "a boolean", (False,)),
+    "suffix": (lambda v: isinstance(v, str), "a string", ("",)),
+    "response_format": (lambda v: isinstance(v, dict), "an object", ({"type": "text"},)),
+    "tools": (lambda v: isinstance(v, list), "an array", ([],)),
+    "functions": (lambda v: isinstance(v, list), "an array", ([],)),
+    "tool_choice": (lambda v: isinstance(v, (str, dict)), "a string or an object", ("none", "auto")),
+    "function_call": (lambda v: isinstance(v, (str, dict)), "a string or an object", ("none", "auto")),
+    "modalities": (lambda v: isinstance(v, list), "an array", (["text"],)),
+}
+_SAMPLING = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+             "top_k", "ignore_eos", "stop_token_ids", "min_tokens"}  # top_k and below: vLLM's extras
+_COMMON = _SAMPLING | set(_IGNORED) | {"frequency_penalty", "presence_penalty", "logit_bias", "logprobs"}
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix"})
+CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                   "functions", "tool_choice", "function_call", "modalities"})
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def requested_model(body: Body) -> str:
+    model = body.get_str("model")
+    if not model:
+        raise bad_request("model", "is required")
+    return model
+
+
+def check_model(model: str, served_model_name: str) -> None:
+    """404 unless `model` is the one this gateway serves."""
+    if model != served_model_name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{served_model_name}`",
+                       param="model", code="model_not_found")
+
+
+def parse_completion(body: Body) -> ApiRequest:
+    """POST /v1/completions body -> ApiRequest (prompt as text or token ids)."""
+    request = _parse_common(body, Endpoint.COMPLETIONS, COMPLETION_FIELDS, "max_tokens")
+    return dataclasses.replace(request, prompt=_completion_prompt(body))
+
+
+def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
+    """POST /v1/chat/completions body -> ApiRequest; the chat template turns messages into token ids."""
+    max_tokens_field = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
+    body.get_int("max_tokens")  # type-checked even when max_completion_tokens (the newer name) wins
+    request = _parse_common(body, Endpoint.CHAT, CHAT_FIELDS, max_tokens_field)
+    messages = [_chat_message(i, m) for i, m in enumerate(_required_list(body, "messages"))]
+    return dataclasses.replace(request, prompt=tuple(template.encode(messages)))
+
+
+def _parse_common(body: Body, endpoint: Endpoint, allowed: frozenset[str], max_tokens_field: str) -> ApiRequest:
+    _check_field_names(body, allowed)
+    n = body.get_int("n")
+    if n is not None and n != 1:
+        raise bad_request("n", f"only n=1 is supported, got {n}")
+    stream = bool(body.get_bool("stream"))
+    options = body.get_object("stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options", "is only allowed when stream is true")
+    prompt_field = "messages" if endpoint == Endpoint.CHAT else "prompt"
+    return ApiRequest(endpoint=endpoint, model=requested_model(body), stream=stream,
+                      include_usage=_include_usage(options or {}), prompt=(),
+                      sampling=_sampling(body, max_tokens_field),
+                      params={"prompt": prompt_field, "max_tokens": max_tokens_field})
+
+
+def _check_field_names(body: Body, allowed: frozenset[str]) -> None:
+    for name in body.names():
+        value = body.raw(name)
+        if name not in allowed:
+            raise bad_request(name, "unrecognized request argument")
+        if value is None:
+            continue
+        if name in _IGNORED and not _IGNORED[name][0](value):
+            raise bad_request(name, f"must be {_IGNORED[name][1]}, got {show(value)}")
+        if name in _OFF_ONLY:
+            is_type, type_name, off = _OFF_ONLY[name]
+            if not is_type(value):
+                raise bad_request(name, f"must be {type_name}, got {show(value)}")
+            if value not in off:
+                raise bad_request(name, f"{show(value)} is not supported by this server (only {show(off[0])})")
+
+
+def _include_usage(options: dict[str, Any]) -> bool:
+    for key, value in options.items():
+        if key not in ("include_usage", "include_obfuscation"):
+            raise bad_request(f"stream_options.{key}", "unrecognized stream option")
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"stream_options.{key}", f"must be a boolean, got {show(value)}")
+    return bool(options.get("include_usage"))
+
+
+def _sampling(body: Body, max_tokens_field: str) -> common_pb2.SamplingParams:
+    """Only fields the client gave are set, so the router applies its defaults (max_tokens 16, temperature 1)."""
+    top_k = body.get_int("top_k")
+    sampling = common_pb2.SamplingParams(
+        top_k=0 if top_k == -1 else top_k or 0,  # vLLM spells "no top-k" as -1
+        stop=body.get_str_list("stop") or [],
+        stop_token_ids=body.get_int_list("stop_token_ids") or [],
+        ignore_eos=bool(body.get_bool("ignore_eos")),
+        min_tokens=body.get_int("min_tokens") or 0,
+    )
+    max_tokens = body.get_int(max_tokens_field)
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    for name in ("temperature", "top_p"):
+        value = body.get_number(name)
+        if value is not None:
+            setattr(sampling, name, value)
+    seed = body.get_int("seed", lo=-(2**63), hi=2**64 - 1)
+    if seed is not None:
+        sampling.seed = seed % 2**64  # negative seeds (int64) are accepted, as by OpenAI
+    return sampling
+
+
+def _completion_prompt(body: Body) -> str | tuple[int, ...]:
+    value = body.raw("prompt")
+    if value is None:
+        raise bad_request("prompt", "is required")
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) > 1:
+            raise bad_request("prompt", f"batched prompts ({len(value)}) are not supported; send one per request")
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request("prompt", f"must be a string or an array of token ids, got {show(value)}")
+    if not value:
+        raise bad_request("prompt", "must not be empty")
+    check_int_list("prompt", value)
+    return tuple(value)
+
+
+def _required_list(body: Body, name: str) -> list[Any]:
+    value = body.get_list(name)
+    if not value:
+        raise bad_request(name, "is required and must not be empty")
+    return value
+
+
+def _chat_message(index: int, message: Any) -> dict[str, str]:
+    """One chat message -> {"role", "content"} with the content as plain text."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise bad_request(where, f"must be an object, got {show(message)}")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise bad_request(f"{where}.role", f"must be one of {', '.join(_ROLES)}; got {show(role)}")
+    content = message.get("content")
+    if content is None and role == "assistant":  # an assistant turn that only called tools
+        content = ""
+    return {"role": role, "content": _content_text(f"{where}.content", content)}
+
+
+def _content_text(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(where, f"must be a string or an array of content parts, got {show(content)}")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{i}]", f"only text parts {{\"type\": \"text\", \"text\": ...}} are "
+                                               f"supported, got {show(part)}")
+        texts.append(part["text"])
+    return "\n".join(texts)

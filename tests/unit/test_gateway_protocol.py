@@ -1,0 +1,161 @@
+"""OpenAI request bodies -> router GenerateRequest: field mapping, defaults left to the router, bad fields named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distserve.engine.model_loader import load_tokenizer
+from services.router.gateway.chat_template import ChatTemplate
+from services.router.gateway.errors import ApiError
+from services.router.gateway.json_fields import parse_json_object
+from services.router.gateway.openai_protocol import Endpoint, check_model, parse_chat, parse_completion
+
+MODEL = "distserve-tiny"
+
+
+@pytest.fixture(scope="module")
+def template(tiny_model_path) -> ChatTemplate:
+    return ChatTemplate(load_tokenizer(tiny_model_path))
+
+
+def body(**fields):
+    return parse_json_object(json.dumps({"model": MODEL, **fields}).encode())
+
+
+def completion(**fields):
+    return parse_completion(body(**fields))
+
+
+def error_of(call, *args) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        call(*args)
+    return info.value
+
+
+def test_unset_sampling_fields_stay_unset_so_the_router_applies_its_defaults():
+    request = completion(prompt="hello")
+    sampling = request.to_router("r1").sampling
+    assert not sampling.HasField("max_tokens") and not sampling.HasField("temperature")
+    assert not sampling.HasField("top_p") and not sampling.HasField("seed")
+    assert (request.endpoint, request.stream, request.include_usage) == (Endpoint.COMPLETIONS, False, False)
+
+
+def test_every_honoured_field_reaches_the_router_request():
+    request = completion(prompt="hello", max_tokens=7, temperature=0.5, top_p=0.25, seed=42, stop="\n", n=1,
+                         top_k=5, ignore_eos=True, stop_token_ids=[3, 4], min_tokens=2, user="u",
+                         stream=True, stream_options={"include_usage": True})
+    wire = request.to_router("req-1")
+    assert wire.request_id == "req-1" and wire.text == "hello"
+    s = wire.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop)) == (7, 0.5, 0.25, 42, ["\n"])
+    assert (s.top_k, s.ignore_eos, list(s.stop_token_ids), s.min_tokens) == (5, True, [3, 4], 2)
+    assert request.stream and request.include_usage
+
+
+def test_token_prompts_and_single_element_batches():
+    assert list(completion(prompt=[5, 6, 7]).to_router("r").token_ids.ids) == [5, 6, 7]
+    assert list(completion(prompt=[[5, 6]]).to_router("r").token_ids.ids) == [5, 6]
+    assert completion(prompt=["only one"]).to_router("r").text == "only one"
+
+
+def test_vllm_top_k_minus_one_means_off_and_negative_seeds_wrap():
+    sampling = completion(prompt="x", top_k=-1, seed=-1).sampling
+    assert sampling.top_k == 0 and sampling.seed == 2**64 - 1
+
+
+def test_off_values_of_unsupported_features_are_accepted():
+    request = completion(prompt="x", presence_penalty=0, frequency_penalty=0.0, logprobs=None, echo=False,
+                         best_of=1, logit_bias={})
+    assert request.to_router("r").text == "x"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": True}, "temperature"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": "x", "top_p": [1]}, "top_p"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "stop": [1, 2]}, "stop"),
+    ({"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "stream": "true"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"prompt": "x", "stream": True, "stream_options": {"extra": True}}, "stream_options.extra"),
+    ({"prompt": "x", "user": 5}, "user"),
+    ({"prompt": "x", "presence_penalty": "x"}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "x", "messages": []}, "messages"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [1, 2**31]}, "prompt"),
+    ({}, "prompt"),
+])
+def test_bad_completion_fields_are_400_naming_the_field(fields, param):
+    error = error_of(parse_completion, body(**fields))
+    assert (error.status, error.param) == (400, param)
+    assert error.message.startswith(param + ":")
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_model_is_required_and_must_be_the_served_one():
+    error = error_of(parse_completion, parse_json_object(b'{"prompt": "x"}'))
+    assert (error.status, error.param) == (400, "model")
+    error = error_of(check_model, "gpt-4", MODEL)
+    assert (error.status, error.param, error.code) == (404, "model", "model_not_found")
+    check_model(MODEL, MODEL)
+
+
+def test_chat_renders_the_tokenizer_template(template, tiny_model_path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    request = parse_chat(body(messages=messages, max_completion_tokens=9), template)
+    expected = load_tokenizer(tiny_model_path).apply_chat_template(messages, add_generation_prompt=True,
+                                                                   tokenize=True, return_dict=True)["input_ids"]
+    assert list(request.to_router("r").token_ids.ids) == list(expected)
+    assert request.sampling.max_tokens == 9
+    assert request.params == {"prompt": "messages", "max_tokens": "max_completion_tokens"}
+
+
+def test_chat_text_parts_are_joined(template):
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    joined = parse_chat(body(messages=[{"role": "user", "content": parts}]), template)
+    plain = parse_chat(body(messages=[{"role": "user", "content": "a\nb"}]), template)
+    assert joined.prompt == plain.prompt
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "many"}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "max_tokens": "x"}, "max_tokens"),
+])
+def test_bad_chat_fields_are_400_naming_the_field(template, fields, param):
+    error = error_of(parse_chat, body(**fields), template)
+    assert (error.status, error.param) == (400, param)
+
+
+def test_a_tokenizer_without_chat_template_is_a_clear_400():
+    class NoTemplate:
+        chat_template = None
+
+    error = error_of(parse_chat, body(messages=[{"role": "user", "content": "hi"}]), ChatTemplate(NoTemplate()))
+    assert (error.status, error.param) == (400, "messages") and "chat template" in error.message
