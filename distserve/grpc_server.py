@@ -1,7 +1,7 @@
 """Running a gRPC service: health, reflection, graceful SIGTERM; one place for every service.
 
 Lifecycle: bind -> start -> health SERVING -> on_ready() -> wait for SIGTERM/SIGINT
--> health NOT_SERVING -> on_shutdown() (deregister, stop taking work)
+-> health NOT_SERVING -> on_shutdown() (deregister) -> drain_s still accepting calls
 -> server.stop(grace) lets in-flight calls finish -> return.
 """
 
@@ -42,10 +42,16 @@ async def run_grpc_server(
     services: list[Service],
     on_ready: Callable[[int], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
-    grace_s: float = 10.0,
+    grace_s: float = 30.0,
     stop_event: asyncio.Event | None = None,
+    drain_s: float = 0.0,
 ) -> None:
-    """Serves until SIGTERM/SIGINT (or stop_event). on_ready gets the bound port."""
+    """Serves until SIGTERM/SIGINT (or stop_event). on_ready gets the bound port.
+
+    After on_shutdown (deregistration) the server keeps accepting calls for drain_s, so requests
+    routed to it just before it left the registry still land; then it stops taking new calls and
+    lets in-flight ones finish for up to grace_s.
+    """
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -74,6 +80,8 @@ async def run_grpc_server(
     await health_servicer.enter_graceful_shutdown()
     if on_shutdown:
         await on_shutdown()
+    if drain_s > 0:
+        await asyncio.sleep(drain_s)
     await server.stop(grace_s)
     log.info("stopped")
 

@@ -93,7 +93,8 @@ async def serve(config: DecodeConfig) -> None:
 
     service = Service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "distserve.v1.DecodeService")
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, on_shutdown)
+        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, on_shutdown,
+                              grace_s=config.grace_s, drain_s=config.drain_s)
     finally:
         for task in tasks:
             task.cancel()

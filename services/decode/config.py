@@ -30,6 +30,8 @@ class DecodeConfig:
     heartbeat_s: float = setting(1.0, "registry heartbeat interval")
     lease_s: float = setting(3.0, "registry lease: the worker vanishes this long after its last heartbeat")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
+    drain_s: float = setting(2.0, "on SIGTERM, keep accepting calls this long after deregistering")
+    grace_s: float = setting(60.0, "on SIGTERM, then let in-flight calls finish for up to this long")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")

@@ -128,7 +128,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             transfer_s = await self._receiver.fetch(handle.owner_ucx_address, handle.handle_id, staging,
                                                     self._config.transfer_timeout_s, seq.request_id)
         except TransferError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            # ABORTED, not UNAVAILABLE: the handle was claimed here, so the router must not retry it elsewhere
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         self._metrics.kv_transfer_time.observe(transfer_s)
         self._metrics.kv_transfer_bytes.inc(layout.num_bytes)
         self._engine.kv_cache.write_prompt(seq.block_table, staging.to(self._engine.kv_cache.storage.device))

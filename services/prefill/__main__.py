@@ -86,7 +86,8 @@ async def serve(config: PrefillConfig) -> None:
     service = Service(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer,
                       "distserve.v1.PrefillService")
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, on_shutdown)
+        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, on_shutdown,
+                              grace_s=config.grace_s, drain_s=config.drain_s)
     finally:
         for task in tasks:
             task.cancel()

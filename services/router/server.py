@@ -32,6 +32,14 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
                  grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+class _DecodeUnreachable(Exception):
+    """The decode worker could not be reached; nothing was claimed or streamed."""
+
+    def __init__(self, error: grpc.aio.AioRpcError):
+        super().__init__(error.details())
+        self.error = error
+
+
 @dataclasses.dataclass
 class _Request:
     request_id: str
@@ -111,7 +119,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def _run(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord, context):
         with self._picker.track(prefill_worker, len(req.prompt)):
             first = await self._prefill(req, prefill_worker, context)
-        handed_to_decode = False
+        decode_finished = False
         try:
             timings = common_pb2.Timings()
             timings.MergeFrom(first.timings)
@@ -123,13 +131,40 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             yield message
             if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 return
-            handed_to_decode = True
-            async for message in self._decode(req, first, decode_worker, timings, context):
+            async for message in self._decode_with_retry(req, first, decode_worker, timings, context):
                 yield message
+            decode_finished = True
         finally:
-            if first.kv_handle_id and not handed_to_decode:
-                # no decode worker will claim it (cancelled, or failed before decode)
+            if first.kv_handle_id and not decode_finished:
+                # cancelled, or decode failed: make sure the KV is freed (a second release is harmless)
                 self._broker.release_soon(first.kv_handle_id, "cancelled", req.request_id)
+
+    async def _decode_with_retry(self, req: _Request, first, worker: WorkerRecord, timings, context):
+        """Decodes on `worker`; if it cannot be reached at all, once more on another decode worker.
+
+        Unreachable means no decode worker claimed the handle, so the KV is still there to pull.
+        """
+        try:
+            async for message in self._decode(req, first, worker, timings):
+                yield message
+            return
+        except grpc.aio.AioRpcError as exc:
+            await self._abort_for(exc, worker, "decode", context)
+        except _DecodeUnreachable as exc:
+            self._picker.mark_suspect(worker)
+            replacement = self._picker.pick_decode()
+            if replacement is None or replacement.worker_id == worker.worker_id:
+                await self._abort_for(exc.error, worker, "decode", context)
+            log.warning("retry request_id=%s decode %s unreachable; using %s", req.request_id, worker.worker_id,
+                        replacement.worker_id)
+        try:
+            with self._picker.track(replacement, 1):
+                async for message in self._decode(req, first, replacement, timings):
+                    yield message
+        except grpc.aio.AioRpcError as exc:
+            await self._abort_for(exc, replacement, "decode", context)
+        except _DecodeUnreachable as exc:
+            await self._abort_for(exc.error, replacement, "decode", context)
 
     async def _prefill(self, req: _Request, worker: WorkerRecord, context) -> prefill_pb2.PrefillResponse:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channels.get(worker.address))
@@ -140,14 +175,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except grpc.aio.AioRpcError as exc:
             await self._abort_for(exc, worker, "prefill", context)
 
-    async def _decode(self, req: _Request, first, worker: WorkerRecord, timings, context):
+    async def _decode(self, req: _Request, first, worker: WorkerRecord, timings):
+        """Streams the decode worker's tokens. Raises _DecodeUnreachable if it failed before any,
+        other worker errors as grpc.aio.AioRpcError."""
         stub = decode_pb2_grpc.DecodeServiceStub(self._channels.get(worker.address))
         call = stub.Decode(decode_pb2.DecodeRequest(
             request_id=req.request_id, kv_handle_id=first.kv_handle_id, prompt_token_ids=req.prompt,
             first_token_id=first.first_token_id, sampling=sampling_to_proto(req.params),
         ), timeout=self._config.request_timeout_s)
+        received_any = False
         try:
             async for response in call:
+                received_any = True
                 finish = finish_from_proto(response.finish_reason)
                 if finish is not None:
                     timings.MergeFrom(response.timings)
@@ -160,7 +199,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     return  # a stop string ended it first: the finally cancels the worker's call
         except grpc.aio.AioRpcError as exc:
-            await self._abort_for(exc, worker, "decode", context)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and not received_any:
+                raise _DecodeUnreachable(exc) from exc
+            raise
         finally:
             call.cancel()
 
