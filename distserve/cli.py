@@ -24,12 +24,14 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     parser.add_argument("--gateway-port", type=int, default=8000, help="HTTP gateway port; -1: no gateway")
     parser.add_argument("--served-model-name", default="", help="model name in the OpenAI API (default: folder)")
+    parser.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on the gateway")
     parser.add_argument("--log-dir", default="", help="where each process writes its log")
 
 
 def _spec(args) -> ClusterSpec:
     # Build (or find) the model once here, so the workers only load it.
     gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    gateway_args += ["--api-key", args.api_key] if args.api_key else []
     return ClusterSpec(model=resolve_model_path(args.model), num_prefill=args.prefill, num_decode=args.decode,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args)

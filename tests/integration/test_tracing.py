@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
+from pathlib import Path
 
 from distserve.engine.model_spec import load_model_spec
-from tests.builders import generate, token_request
 
 PROMPT_LEN = 300
 # (service, span) -> expected parent (service, span); None for the root
 EXPECTED_TREE = {
-    ("distserve-router", "router.generate"): None,
+    ("distserve-gateway", "gateway.http"): None,
+    ("distserve-router", "router.generate"): ("distserve-gateway", "gateway.http"),
     ("distserve-router", "route"): ("distserve-router", "router.generate"),
     ("distserve-prefill", "prefill"): ("distserve-router", "router.generate"),
     ("distserve-prefill", "queue"): ("distserve-prefill", "prefill"),
@@ -41,11 +44,19 @@ def collect(receiver, request_id: str, expected: int, timeout_s: float = 15):
     return receiver.spans_for(request_id)
 
 
+def send_through_gateway(cluster, request_id: str, prompt: list[int], max_tokens: int) -> dict:
+    body = json.dumps({"model": Path(cluster.spec.model).name, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    http = urllib.request.Request(cluster.gateway_url + "/v1/completions", data=body, method="POST",
+                                  headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+    with urllib.request.urlopen(http, timeout=120) as reply:
+        assert reply.headers["X-Request-Id"] == request_id
+        return json.load(reply)
+
+
 def test_one_trace_spans_every_stage(cluster, otlp_receiver, tiny_model_path):
     request_id = "trace-one-request"
-    request = token_request(list(range(40, 40 + PROMPT_LEN)), max_tokens=6)
-    request.request_id = request_id
-    generate(cluster.router_address, request)
+    send_through_gateway(cluster, request_id, list(range(40, 40 + PROMPT_LEN)), 6)
     spans = collect(otlp_receiver, request_id, len(EXPECTED_TREE))
 
     assert len({s.trace_id for s in spans}) == 1, "one trace id for the whole request"
@@ -71,6 +82,8 @@ def test_one_trace_spans_every_stage(cluster, otlp_receiver, tiny_model_path):
         attrs = next(s for s in spans if s.name == side).attributes
         assert attrs["distserve.kv.bytes"] == handle_bytes
         assert attrs["distserve.kv.transfer_gbps"] > 0 and attrs["network.transport"] == "ucx"
+    gateway = by_key[("distserve-gateway", "gateway.http")].attributes
+    assert gateway["http.response.status_code"] == 200 and gateway["gen_ai.request.max_tokens"] == 6
     root = by_key[("distserve-router", "router.generate")].attributes
     assert root["gen_ai.request.max_tokens"] == 6 and root["gen_ai.usage.input_tokens"] == PROMPT_LEN
     assert root["gen_ai.usage.output_tokens"] == 6 and root["gen_ai.response.finish_reasons"] == ["length"]
@@ -87,9 +100,7 @@ def test_distserve_trace_prints_waterfall_from_jaeger_api(cluster, otlp_receiver
     from tests.otlp_receiver import as_jaeger_trace
 
     request_id = "trace-cli-request"
-    request = token_request(list(range(70, 90)), max_tokens=3)
-    request.request_id = request_id
-    generate(cluster.router_address, request)
+    send_through_gateway(cluster, request_id, list(range(70, 90)), 3)
     spans = collect(otlp_receiver, request_id, len(EXPECTED_TREE))
     queries = []
 
@@ -118,7 +129,7 @@ def test_distserve_trace_prints_waterfall_from_jaeger_api(cluster, otlp_receiver
     assert json.loads(params["tags"][0]) == {"gen_ai.request.id": request_id}
     lines = out.splitlines()
     assert lines[0].startswith(f"trace: {len(spans)} spans")
-    assert lines[1].startswith("router.generate") and "distserve-router" in lines[1]
+    assert lines[1].startswith("gateway.http") and "distserve-gateway" in lines[1]
     for (service, name), parent in EXPECTED_TREE.items():
         line = next(ln for ln in lines[1:] if ln.split()[0] == name and service in ln)
         depth = (len(line) - len(line.lstrip(" "))) // 2

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 import distserve
+from distserve import tracing
 from services.router.gateway.answers import streamed_answer, whole_answer
 from services.router.gateway.chat_template import ChatTemplate
 from services.router.gateway.config import GatewayConfig
@@ -78,7 +79,9 @@ class Gateway:
         request_id = request[_REQUEST_ID]
         meta = AnswerMeta(ID_PREFIX[api.endpoint] + request_id, int(time.time()), api.model, api.endpoint,
                           include_usage=api.stream and api.include_usage)
-        answer = self._router.generate(api.to_router(request_id), api.params)
+        router_request = api.to_router(request_id)
+        _trace_request_attributes(api, router_request)
+        answer = self._router.generate(router_request, api.params)
         try:
             if api.stream:
                 return await streamed_answer(request, meta, answer, {REQUEST_ID_HEADER: request_id})
@@ -108,12 +111,36 @@ class Gateway:
 
 
 def create_app(config: GatewayConfig, template: ChatTemplate, served_model_name: str) -> web.Application:
-    middlewares = [error_middleware] + ([api_key_middleware(config.api_key)] if config.api_key else [])
+    middlewares = [error_middleware, tracing_middleware] + (
+        [api_key_middleware(config.api_key)] if config.api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=int(config.max_body_mb * 2**20))
     gateway = Gateway(config, template, served_model_name)
     app.cleanup_ctx.append(gateway.lifespan)
     app.add_routes(gateway.routes())
     return app
+
+
+def _trace_request_attributes(api: ApiRequest, router_request) -> None:
+    sampling = router_request.sampling
+    attributes = {"gen_ai.operation.name": "chat" if api.endpoint == "chat" else "text_completion",
+                  "gen_ai.request.model": api.model}
+    for name in ("max_tokens", "temperature", "top_p"):
+        if sampling.HasField(name):
+            attributes[f"gen_ai.request.{name}"] = getattr(sampling, name)
+    tracing.current_span().set_attributes(attributes)
+
+
+@web.middleware
+async def tracing_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The request's root span (or a child of the client's traceparent), keyed by its request id."""
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    with tracing.remote_context(dict(request.headers)), tracing.span(
+            "gateway.http", request.get(_REQUEST_ID, ""), **{"http.request.method": request.method,
+                                                             "url.path": request.path}) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        return response
 
 
 @web.middleware

@@ -9,6 +9,7 @@ import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from distserve import tracing
 from distserve.grpc_server import CHANNEL_OPTIONS
 from distserve.registry import WorkerRegistry
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -54,7 +55,8 @@ class RouterClient:
 
     def __init__(self, config: GatewayConfig):
         self._config = config
-        self._channel = grpc.aio.insecure_channel(config.router_address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(config.router_address, options=CHANNEL_OPTIONS,
+                                                  interceptors=tracing.client_interceptors())
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._redis = aioredis.from_url(config.redis_url, socket_connect_timeout=config.health_timeout_s,
