@@ -74,7 +74,8 @@ async def serve(config: DecodeConfig) -> None:
     def record() -> WorkerRecord:
         allocator = engine.scheduler.allocator
         load = {"num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
-                "free_blocks": allocator.num_free, "total_blocks": allocator.num_blocks}
+                "free_blocks": allocator.num_free, "total_blocks": allocator.num_blocks,
+                "block_size": config.block_size}
         metrics.kv_usage.set(allocator.num_used / allocator.num_blocks)
         metrics.running.set(len(engine.scheduler.running))
         metrics.waiting.set(len(engine.scheduler.waiting))

@@ -49,11 +49,23 @@ class WorkerPicker:
         return min(self.workers("prefill"), default=None,
                    key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id])
 
-    def pick_decode(self) -> WorkerRecord | None:
+    def pick_decode(self, num_tokens: int = 0) -> WorkerRecord | None:
+        """The least-loaded decode worker whose KV cache can hold num_tokens at all.
+
+        Workers with enough free blocks right now come first; a full one still qualifies
+        (the request waits there for blocks), one too small for the request never does.
+        """
+        def blocks(w: WorkerRecord) -> int:
+            size = int(w.load.get("block_size", 1)) or 1
+            return -(-num_tokens // size)
+
         def score(w: WorkerRecord):
-            running = w.load.get("num_running", 0) + w.load.get("num_waiting", 0)
-            return (running + self._inflight[w.worker_id], -w.load.get("free_blocks", 0))
-        return min(self.workers("decode"), default=None, key=score)
+            running = w.load.get("num_running", 0) + w.load.get("num_waiting", 0) + self._inflight[w.worker_id]
+            free = w.load.get("free_blocks", 0)
+            return (free < blocks(w), running, -free)
+
+        fits = [w for w in self.workers("decode") if w.load.get("total_blocks", float("inf")) >= blocks(w)]
+        return min(fits, default=None, key=score)
 
     @contextlib.contextmanager
     def track(self, worker: WorkerRecord, amount: int):

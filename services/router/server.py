@@ -97,11 +97,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _route(self, req: _Request, context) -> tuple[WorkerRecord, WorkerRecord]:
         with tracing.span("route", req.request_id) as span:
-            prefill_worker, decode_worker = self._picker.pick_prefill(), self._picker.pick_decode()
-            if prefill_worker is None or decode_worker is None:
+            num_tokens = min(len(req.prompt) + req.params.max_tokens, self._spec.max_context)
+            prefill_worker, decode_worker = self._picker.pick_prefill(), self._picker.pick_decode(num_tokens)
+            if prefill_worker is None or not self._picker.workers("decode"):
                 missing = "prefill" if prefill_worker is None else "decode"
                 self._metrics.failures.labels(code="UNAVAILABLE").inc()
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"no {missing} worker is available")
+            if decode_worker is None:
+                self._metrics.failures.labels(code="RESOURCE_EXHAUSTED").inc()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"prompt + max_tokens need KV for {num_tokens} tokens; no decode worker has that "
+                                    "much KV cache")
             span.set_attributes({
                 "distserve.prefill.worker": prefill_worker.worker_id,
                 "distserve.prefill.reason": "least outstanding prompt tokens "
@@ -152,7 +158,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             await self._abort_for(exc, worker, "decode", context)
         except _DecodeUnreachable as exc:
             self._picker.mark_suspect(worker)
-            replacement = self._picker.pick_decode()
+            replacement = self._picker.pick_decode(min(len(req.prompt) + req.params.max_tokens,
+                                                       self._spec.max_context))
             if replacement is None or replacement.worker_id == worker.worker_id:
                 await self._abort_for(exc.error, worker, "decode", context)
             log.warning("retry request_id=%s decode %s unreachable; using %s", req.request_id, worker.worker_id,
