@@ -74,7 +74,10 @@ def main() -> None:
     finally:
         stop_event.set()
         proc.join(30)
-    results.update({"ucx_tls": os.environ.get("UCX_TLS", "(default)"), "machine": platform.machine(),
+    from distserve.transfer.ucx_transfer import UCX_DEFAULTS
+
+    ucx_env = {**UCX_DEFAULTS, **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+    results.update({"ucx_env": ucx_env, "machine": platform.machine(),
                     "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
