@@ -87,7 +87,7 @@ class Gateway:
                 return await streamed_answer(request, meta, answer, {REQUEST_ID_HEADER: request_id})
             return await whole_answer(meta, answer)
         finally:
-            answer.cancel()  # finished: no-op; client gone or failed: the router cancels the workers
+            await answer.close()  # finished: let it end; client gone or failed: the router cancels the workers
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})

@@ -49,6 +49,17 @@ class RouterAnswer:
         """Idempotent; a no-op once the call has completed."""
         self._call.cancel()
 
+    async def close(self, end_wait_s: float = 2.0) -> None:
+        """Ends the call: a finished answer is let end by itself (the router then completes its own
+        clean-up and trace spans instead of being cancelled); anything else is cancelled."""
+        if self._finished:
+            try:
+                await asyncio.wait_for(self._call.code(), end_wait_s)
+                return
+            except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+                pass
+        self._call.cancel()
+
 
 class RouterClient:
     """Owns the router channel and the registry's Redis client; open in the app's startup, close() at cleanup."""
