@@ -135,3 +135,32 @@ def test_distserve_trace_prints_waterfall_from_jaeger_api(cluster, otlp_receiver
         depth = (len(line) - len(line.lstrip(" "))) // 2
         assert (depth == 0) == (parent is None)
         assert " ms  |" in line
+
+
+def test_stage_logs_carry_request_and_trace_ids(cluster, otlp_receiver):
+    request_id = "trace-logs-request"
+    send_through_gateway(cluster, request_id, list(range(200, 240)), 4)
+    trace_id = collect(otlp_receiver, request_id, len(EXPECTED_TREE))[0].trace_id
+    for role in ("router", "prefill", "decode", "kvbroker"):
+        lines = [ln for name, process in cluster.processes.items() if name.startswith(role)
+                 for ln in process.log_path.read_text().splitlines() if f"request_id={request_id}" in ln]
+        assert lines, f"no {role} logged a stage of {request_id}"
+        assert all(ln.endswith(f"trace_id={trace_id}") and " INFO " in ln for ln in lines), lines
+
+
+def test_failed_request_span_records_the_error(cluster, otlp_receiver):
+    import grpc
+
+    from tests.builders import generate, token_request
+
+    request = token_request([5, 6, 7], temperature=-1.0)
+    request.request_id = "trace-bad-request"
+    try:
+        generate(cluster.router_address, request)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        raise AssertionError("a negative temperature must be rejected")
+    root = next(s for s in collect(otlp_receiver, request.request_id, 1) if s.name == "router.generate")
+    assert root.status_code == 2  # STATUS_CODE_ERROR
+    assert "exception" in root.events
