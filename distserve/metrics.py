@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +74,14 @@ class DecodeMetrics:
 class BrokerMetrics:
     def __init__(self) -> None:
         self.operations = Counter(PREFIX + "kv_handle_operations", "Handle operations", ["operation", "outcome"])
+
+
+class GatewayMetrics:
+    """Registered in their own registry (one per app), served by the gateway's /metrics route."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "http_requests", "HTTP requests answered", ["path", "status"],
+                                registry=self.registry)
+        self.duration = Histogram(PREFIX + "http_request_duration_seconds", "HTTP request duration, to the last "
+                                  "byte", ["path"], buckets=REQUEST_BUCKETS, registry=self.registry)

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from distserve.metrics import TTFT_BUCKETS
 from tests.builders import generate, token_request
 
-SERVICES = ("router", "kvbroker", "prefill-0", "prefill-1", "decode-0", "decode-1")
+SERVICES = ("gateway", "router", "kvbroker", "prefill-0", "prefill-1", "decode-0", "decode-1")
 
 
 def scrape(cluster, name: str) -> dict[str, float]:
     """Samples by 'name{label=value,...}'."""
-    with urllib.request.urlopen(cluster.processes[name].metrics_url, timeout=10) as reply:
+    url = cluster.gateway_url + "/metrics" if name == "gateway" else cluster.processes[name].metrics_url
+    with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):
@@ -31,9 +34,17 @@ def total(samples: dict[str, float], prefix: str) -> float:
 def test_metrics_parse_and_move(cluster):
     before = {name: scrape(cluster, name) for name in SERVICES}
     prompt = list(range(100, 150))
-    for _ in range(2):
-        generate(cluster.router_address, token_request(prompt, max_tokens=5, ignore_eos=True))
+    generate(cluster.router_address, token_request(prompt, max_tokens=5, ignore_eos=True))
+    body = json.dumps({"model": Path(cluster.spec.model).name, "prompt": prompt, "max_tokens": 5,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(cluster.gateway_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.status == 200
     after = {name: scrape(cluster, name) for name in SERVICES}
+
+    assert after["gateway"].get('distserve:http_requests_total{path=/v1/completions,status=200}', 0) - \
+        before["gateway"].get('distserve:http_requests_total{path=/v1/completions,status=200}', 0) == 1
 
     router_delta = lambda key: total(after["router"], key) - total(before["router"], key)  # noqa: E731
     assert router_delta("distserve:request_success_total") == 2

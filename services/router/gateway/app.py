@@ -14,10 +14,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import prometheus_client
 from aiohttp import web
 
 import distserve
 from distserve import tracing
+from distserve.metrics import GatewayMetrics
 from services.router.gateway.answers import streamed_answer, whole_answer
 from services.router.gateway.chat_template import ChatTemplate
 from services.router.gateway.config import GatewayConfig
@@ -45,8 +47,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Gateway:
     """The handlers, with the router client they share (opened and closed by `lifespan`)."""
 
-    def __init__(self, config: GatewayConfig, template: ChatTemplate, served_model_name: str):
+    def __init__(self, config: GatewayConfig, template: ChatTemplate, served_model_name: str,
+                 metrics: GatewayMetrics):
         self._config = config
+        self._metrics = metrics
         self._template = template
         self.served_model_name = served_model_name
         self._router: RouterClient | None = None
@@ -63,7 +67,8 @@ class Gateway:
         return [web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
-                web.get("/health", self.health), web.get("/version", self.version)]
+                web.get("/health", self.health), web.get("/version", self.version),
+                web.get("/metrics", self.metrics)]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_json_object(await request.read())
@@ -109,12 +114,17 @@ class Gateway:
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": distserve.__version__})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=prometheus_client.generate_latest(self._metrics.registry),
+                            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
 
 def create_app(config: GatewayConfig, template: ChatTemplate, served_model_name: str) -> web.Application:
-    middlewares = [error_middleware, tracing_middleware] + (
+    metrics = GatewayMetrics()
+    middlewares = [error_middleware, tracing_middleware(metrics)] + (
         [api_key_middleware(config.api_key)] if config.api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=int(config.max_body_mb * 2**20))
-    gateway = Gateway(config, template, served_model_name)
+    gateway = Gateway(config, template, served_model_name, metrics)
     app.cleanup_ctx.append(gateway.lifespan)
     app.add_routes(gateway.routes())
     return app
@@ -130,17 +140,29 @@ def _trace_request_attributes(api: ApiRequest, router_request) -> None:
     tracing.current_span().set_attributes(attributes)
 
 
-@web.middleware
-async def tracing_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The request's root span (or a child of the client's traceparent), keyed by its request id."""
-    if not request.path.startswith("/v1/"):
-        return await handler(request)
-    with tracing.remote_context(dict(request.headers)), tracing.span(
-            "gateway.http", request.get(_REQUEST_ID, ""), **{"http.request.method": request.method,
-                                                             "url.path": request.path}) as span:
-        response = await handler(request)
-        span.set_attribute("http.response.status_code", response.status)
-        return response
+def tracing_middleware(metrics: GatewayMetrics) -> Callable:
+    """The request's root span (or a child of the client's traceparent), keyed by its request id; metrics."""
+
+    @web.middleware
+    async def trace_and_count(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        started = time.monotonic()
+        path = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+        with tracing.remote_context(dict(request.headers)), tracing.span(
+                "gateway.http", request.get(_REQUEST_ID, ""), **{"http.request.method": request.method,
+                                                                 "url.path": request.path}) as span:
+            try:
+                response = await handler(request)
+            except ApiError as exc:
+                metrics.requests.labels(path=path, status=str(exc.status)).inc()
+                raise
+            span.set_attribute("http.response.status_code", response.status)
+            metrics.requests.labels(path=path, status=str(response.status)).inc()
+            metrics.duration.labels(path=path).observe(time.monotonic() - started)
+            return response
+
+    return trace_and_count
 
 
 @web.middleware
