@@ -2,8 +2,9 @@
 
 Each worker writes `distserve:worker:<role>:<worker_id>` (JSON) with a TTL of
 `lease_s` and refreshes it every heartbeat; a worker that stops (or dies)
-disappears when the key expires or on graceful deregistration. The router
-lists a role's keys to choose workers.
+disappears when the key expires or on graceful deregistration. A sorted set
+per role (`distserve:workers:<role>`, worker id scored by lease expiry) indexes
+the keys, so listing never scans the keyspace.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def worker_key(role: str, worker_id: str) -> str:
     return f"{KEY_PREFIX}{role}:{worker_id}"
 
 
+def index_key(role: str) -> str:
+    return f"distserve:workers:{role}"
+
+
 class WorkerRegistry:
     def __init__(self, redis: aioredis.Redis, lease_s: float):
         self._redis = redis
@@ -45,21 +50,33 @@ class WorkerRegistry:
 
     async def publish(self, record: WorkerRecord) -> None:
         record.updated_at = time.time()
-        await self._redis.set(
-            worker_key(record.role, record.worker_id),
-            json.dumps(dataclasses.asdict(record)),
-            px=int(self.lease_s * 1000),
-        )
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(worker_key(record.role, record.worker_id), json.dumps(dataclasses.asdict(record)),
+                     px=int(self.lease_s * 1000))
+            pipe.zadd(index_key(record.role), {record.worker_id: record.updated_at + self.lease_s})
+            await pipe.execute()
 
     async def remove(self, role: str, worker_id: str) -> None:
-        await self._redis.delete(worker_key(role, worker_id))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(worker_key(role, worker_id))
+            pipe.zrem(index_key(role), worker_id)
+            await pipe.execute()
 
     async def list(self, role: str) -> list[WorkerRecord]:
-        keys = [k async for k in self._redis.scan_iter(match=f"{KEY_PREFIX}{role}:*", count=500)]
-        if not keys:
+        """Live workers of a role; records that fail to parse are skipped (and logged)."""
+        await self._redis.zremrangebyscore(index_key(role), "-inf", time.time())
+        ids = [i.decode() for i in await self._redis.zrange(index_key(role), 0, -1)]
+        if not ids:
             return []
-        values = await self._redis.mget(keys)
-        return [WorkerRecord(**json.loads(v)) for v in values if v is not None]
+        records = []
+        for value in await self._redis.mget([worker_key(role, i) for i in ids]):
+            if value is None:  # expired, its index entry not yet pruned
+                continue
+            try:
+                records.append(WorkerRecord(**json.loads(value)))
+            except (ValueError, TypeError) as exc:
+                log.warning("ignoring malformed %s registry record: %s", role, exc)
+        return records
 
 
 async def heartbeat(registry: WorkerRegistry, make_record: Callable[[], WorkerRecord], interval_s: float) -> None:

@@ -23,6 +23,7 @@ class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self.on_free = lambda: None  # called after every free(), e.g. to wake requests waiting for blocks
 
     @property
     def num_free(self) -> int:
@@ -43,6 +44,8 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
+        if blocks:
+            self.on_free()
 
 
 class PagedKvCache:

@@ -21,25 +21,38 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_config(cls, config) -> "ModelSpec":
+    def from_config(cls, config, generation_config=None) -> "ModelSpec":
+        """From a transformers config; EOS ids are the union of the model's and its generation config's
+        (instruct models list their end-of-turn tokens, e.g. Llama 3's <|eot_id|>, only in the latter)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        eos = text.eos_token_id if hasattr(text, "eos_token_id") else config.eos_token_id
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        eos_ids = _as_ids(getattr(text, "eos_token_id", None)) + _as_ids(getattr(config, "eos_token_id", None))
+        if generation_config is not None:
+            eos_ids += _as_ids(generation_config.eos_token_id)
         return cls(
             num_layers=text.num_hidden_layers,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
             head_dim=head_dim,
             vocab_size=text.vocab_size,
             max_context=text.max_position_embeddings,
-            eos_token_ids=eos_ids,
+            eos_token_ids=tuple(sorted(set(eos_ids))),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
-def load_model_spec(path: str) -> ModelSpec:
-    from transformers import AutoConfig
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
-    return ModelSpec.from_config(AutoConfig.from_pretrained(path))
+
+def load_model_spec(path: str) -> ModelSpec:
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # the folder has no generation_config.json
+        generation_config = None
+    return ModelSpec.from_config(AutoConfig.from_pretrained(path), generation_config)

@@ -13,6 +13,9 @@ import enum
 import torch
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -35,7 +38,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows to inf: sample as greedy (vLLM does the same).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _generator(seed: int, index: int) -> torch.Generator:

@@ -32,7 +32,8 @@ HEADER_BYTES = 512
 
 
 def _encode_header(handle_id: str, request_id: str) -> np.ndarray:
-    raw = json.dumps({"handle_id": handle_id, "request_id": request_id, **tracing.inject_headers({})}).encode()
+    trace_context = {k: v for k, v in tracing.inject_headers({}).items() if k == "traceparent"}  # fixed size
+    raw = json.dumps({"handle_id": handle_id, "request_id": request_id, **trace_context}).encode()
     if len(raw) > HEADER_BYTES:
         raise ValueError(f"transfer header of {len(raw)} bytes exceeds {HEADER_BYTES}")
     header = np.zeros(HEADER_BYTES, dtype=np.uint8)
@@ -64,9 +65,15 @@ def _ucxx():
     return ucxx
 
 
+_initialized = False
+
+
 def init_ucx() -> None:
-    """Loads UCX and creates its context now (~0.5 s) rather than inside the first transfer."""
-    _ucxx().init()
+    """Loads UCX and creates its context now (~0.5 s) rather than inside the first transfer. Idempotent."""
+    global _initialized
+    if not _initialized:
+        _ucxx().init()
+        _initialized = True
 
 
 def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -152,6 +159,7 @@ class KvReceiver:
     def __init__(self) -> None:
         self._endpoints: dict[str, object] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._closing: set[asyncio.Future] = set()
         self.counters = TransferCounters()
 
     async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
@@ -170,9 +178,11 @@ class KvReceiver:
             start = time.perf_counter()
             try:
                 await asyncio.wait_for(self._fetch_locked(address, handle_id, out, request_id), timeout_s)
-            except Exception as exc:  # any failure leaves the endpoint mid-protocol: drop it
-                await self._drop(address)
-                if isinstance(exc, TransferError):
+            except BaseException as exc:
+                # Any failure, cancellation included, can leave the endpoint mid-protocol: the next
+                # fetch would read this one's leftover messages. Nobody may reuse it.
+                self._discard(address)
+                if isinstance(exc, TransferError) or not isinstance(exc, Exception):
                     raise
                 raise TransferError(f"fetch of {handle_id} from {address} failed: {exc!r}") from exc
             return time.perf_counter() - start
@@ -212,14 +222,23 @@ class KvReceiver:
             self._endpoints[address] = ep
         return ep
 
-    async def _drop(self, address: str) -> None:
+    def _discard(self, address: str) -> None:
+        """Forgets the endpoint at once (synchronously, so no fetch can pick it up) and closes it later."""
         ep = self._endpoints.pop(address, None)
         if ep is not None and not ep.closed:
-            try:
-                await ep.close()
-            except Exception as exc:  # already broken; closing is best effort
-                log.debug("closing endpoint %s: %s", address, exc)
+            task = asyncio.ensure_future(_close_endpoint(ep, address))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         for address in list(self._endpoints):
-            await self._drop(address)
+            self._discard(address)
+        if self._closing:
+            await asyncio.wait(list(self._closing))
+
+
+async def _close_endpoint(ep, address: str) -> None:
+    try:
+        await ep.close()
+    except Exception as exc:  # already broken; closing is best effort
+        log.debug("closing endpoint %s: %s", address, exc)

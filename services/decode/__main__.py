@@ -57,7 +57,7 @@ async def preconnect(registry: WorkerRegistry, receiver: KvReceiver, interval_s:
 async def serve(config: DecodeConfig) -> None:
     path = resolve_model_path(config.model)
     model = load_model(path, config.dtype, config.device)
-    spec = ModelSpec.from_config(model.config)
+    spec = ModelSpec.from_config(model.config, model.generation_config)
     engine = build_engine(config, model, spec)
     metrics = DecodeMetrics()
     init_ucx()

@@ -28,7 +28,16 @@ class DecodeEngine:
         self._eos_ids = eos_ids
         self._max_context = max_context
         self._wakeup = asyncio.Event()
-        self.blocks_freed = asyncio.Condition()
+        self._blocks_freed = asyncio.Event()
+        scheduler.allocator.on_free = self._blocks_freed.set
+
+    async def reserve(self, num_blocks: int) -> list[int]:
+        """Waits until num_blocks are free and takes them (callers bound the wait with a timeout)."""
+        allocator = self.scheduler.allocator
+        while not allocator.can_allocate(num_blocks):
+            self._blocks_freed.clear()
+            await self._blocks_freed.wait()
+        return allocator.allocate(num_blocks)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -43,7 +52,6 @@ class DecodeEngine:
         """Steps while there is work; runs until cancelled."""
         while True:
             await self._wakeup.wait()
-            used_before = self.scheduler.allocator.num_used
             batch = self.scheduler.schedule()
             if batch:
                 now = time.monotonic()
@@ -59,26 +67,32 @@ class DecodeEngine:
                     tokens = None
                 if tokens is not None:
                     self._postprocess(batch, tokens)
-            if self.scheduler.allocator.num_used < used_before or not batch:
-                async with self.blocks_freed:
-                    self.blocks_freed.notify_all()
             if not self.scheduler.has_work():
                 self._wakeup.clear()
 
-    def _step(self, batch: list[Sequence]) -> list[int]:
+    def _step(self, batch: list[Sequence]) -> list[int | Exception]:
+        """One forward for the batch, then a token per sequence (or that sequence's sampling error)."""
         logits = self.runner.decode(
             self.kv_cache, [s.block_table for s in batch], [s.context_len for s in batch],
             [s.tokens[-1] for s in batch],
         )
-        tokens = []
+        tokens: list[int | Exception] = []
         for b, seq in enumerate(batch):
             banned = banned_token_ids(seq.params, self._eos_ids, seq.num_generated)
-            tokens.append(sample_token(logits[b], seq.params, seq.num_generated, banned))
+            try:
+                tokens.append(sample_token(logits[b], seq.params, seq.num_generated, banned))
+            except Exception as exc:  # e.g. non-finite probabilities: fails this sequence only
+                tokens.append(exc)
         return tokens
 
-    def _postprocess(self, batch: list[Sequence], tokens: list[int]) -> None:
+    def _postprocess(self, batch: list[Sequence], tokens: list[int | Exception]) -> None:
         for seq, token in zip(batch, tokens):
             if seq.is_aborted:
+                continue
+            if isinstance(token, Exception):
+                log.error("sampling failed request_id=%s: %r", seq.request_id, token)
+                seq.is_aborted = True
+                seq.outputs.put_nowait(token)
                 continue
             seq.tokens.append(token)
             seq.finish_reason = finish_reason_for(

@@ -67,14 +67,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         prompt = list(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
         seq = Sequence(rid, prompt + [request.first_token_id], len(prompt), params, [], asyncio.Queue())
-        in_engine = released = False
+        in_engine = owns_handle = False
         try:
             with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id}):
-                handle = await self._claim(request, context)
+                # Blocks first: once claimed, the KV is pulled at once, well within the owner's lease.
                 seq.block_table = await self._reserve_blocks(len(prompt), params.max_tokens, context)
+                handle = await self._claim(request, context)
+                owns_handle = True
                 transfer_s = await self._load_kv(handle, seq, context)
             release = self._broker.release_soon(request.kv_handle_id, "received", rid)
-            released = True
+            owns_handle = False
             seq.loaded_at = time.monotonic()
             self._engine.add(seq)
             in_engine = True
@@ -84,7 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self._record_finish(seq, seq.finish_reason)
             await asyncio.wait([release])  # long done; keeps the broker's span inside this one
         finally:
-            if not released:
+            if owns_handle:  # claimed here but not received: nobody else will pull it
                 self._broker.release_soon(request.kv_handle_id, "cancelled", rid)
             if in_engine:
                 if seq.finish_reason is None:
@@ -97,8 +99,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             handle = await self._broker.claim(request.kv_handle_id, self._config.resolved_worker_id,
                                               request.request_id)
         except grpc.aio.AioRpcError as exc:
+            # Never UNAVAILABLE: to the router that means "this decode worker is unreachable".
             code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND,
-                                                grpc.StatusCode.FAILED_PRECONDITION) else grpc.StatusCode.UNAVAILABLE
+                                                grpc.StatusCode.FAILED_PRECONDITION) else grpc.StatusCode.ABORTED
             await context.abort(code, f"claim of kv_handle_id {request.kv_handle_id} failed: {exc.details()}")
         error = layout_error(handle.layout, self._spec, self._config.dtype, len(request.prompt_token_ids))
         if error:
@@ -113,10 +116,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"request needs {needed} KV blocks; this worker has {allocator.num_blocks}")
         try:
-            async with self._engine.blocks_freed:
-                await asyncio.wait_for(self._engine.blocks_freed.wait_for(lambda: allocator.can_allocate(needed)),
-                                       self._config.admission_timeout_s)
-                return allocator.allocate(needed)
+            return await asyncio.wait_for(self._engine.reserve(needed), self._config.admission_timeout_s)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no {needed} free KV blocks in time")
 
@@ -144,8 +144,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 raise item
             token_ids, finish = item
             while finish is None and not seq.outputs.empty():
-                more, finish = seq.outputs.get_nowait()
-                token_ids = token_ids + more
+                more = seq.outputs.get_nowait()
+                if isinstance(more, Exception):
+                    raise more
+                token_ids, finish = token_ids + more[0], more[1]
             response = decode_pb2.DecodeResponse(token_ids=token_ids, finish_reason=finish_to_proto(finish))
             self._metrics.generation_tokens.inc(len(token_ids))
             if finish is not None:

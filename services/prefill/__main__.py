@@ -31,18 +31,26 @@ log = logging.getLogger(__name__)
 
 
 async def follow_releases(redis: aioredis.Redis, worker_id: str, held: HeldKv) -> None:
-    """Frees held KV when the broker announces its release (decode done, or cancelled)."""
-    async with redis.pubsub() as pubsub:
-        await pubsub.subscribe(release_channel(worker_id))
-        async for message in pubsub.listen():
-            if message["type"] == "message":
-                held.free(message["data"].decode())
+    """Frees held KV when the broker announces its release (decode done, or cancelled).
+
+    Resubscribes after a Redis outage; buffers released meanwhile are freed by their lease.
+    """
+    while True:
+        try:
+            async with redis.pubsub() as pubsub:
+                await pubsub.subscribe(release_channel(worker_id))
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        held.free(message["data"].decode())
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("release subscription lost (%s); resubscribing", exc)
+            await asyncio.sleep(1.0)
 
 
 async def serve(config: PrefillConfig) -> None:
     path = resolve_model_path(config.model)
     model = load_model(path, config.dtype, config.device)
-    spec = ModelSpec.from_config(model.config)
+    spec = ModelSpec.from_config(model.config, model.generation_config)
     batcher = PrefillBatcher(ModelRunner(model, config.device), spec.eos_token_ids, spec.max_context,
                              config.max_batch_tokens)
     held = HeldKv()

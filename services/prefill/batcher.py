@@ -112,18 +112,26 @@ class PrefillBatcher:
             finally:
                 self.num_running_tokens = self.num_running = 0
             for pending, result in zip(batch, results):
-                if not pending.future.done():
+                if pending.future.done():
+                    continue
+                if isinstance(result, Exception):
+                    pending.future.set_exception(result)
+                else:
                     pending.future.set_result(result)
 
-    def _forward(self, batch: list[_Pending]) -> list[PrefillResult]:
+    def _forward(self, batch: list[_Pending]) -> list[PrefillResult | Exception]:
         started, start_ns = time.monotonic(), time.time_ns()
         logits, kvs = self._runner.prefill([p.prompt for p in batch])
         prefill_s, end_ns = time.monotonic() - started, time.time_ns()
         padded = max(len(p.prompt) for p in batch) * len(batch)
-        results = []
+        results: list[PrefillResult | Exception] = []
         for b, pending in enumerate(batch):
             params = pending.params
-            token = sample_token(logits[b], params, 0, banned_token_ids(params, self._eos_ids, 0))
+            try:
+                token = sample_token(logits[b], params, 0, banned_token_ids(params, self._eos_ids, 0))
+            except Exception as exc:  # e.g. non-finite probabilities: fails this request only
+                results.append(exc)
+                continue
             finish = finish_reason_for(token, 1, len(pending.prompt) + 1, params, self._eos_ids, self._max_context)
             results.append(PrefillResult(token, finish, kvs[b], started - pending.enqueued_at, prefill_s,
                                          pending.enqueued_ns, start_ns, end_ns, time.time_ns(), len(batch), padded))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 
 import grpc
@@ -20,6 +21,9 @@ from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 
 log = logging.getLogger(__name__)
+
+
+HANDLE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def prompt_error(tokens, spec: ModelSpec) -> str | None:
@@ -55,6 +59,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 "distserve.worker": self._config.resolved_worker_id}):
             params = sampling_from_proto(request.sampling)
             error = prompt_error(request.prompt_token_ids, self._spec)
+            if request.kv_handle_id and not HANDLE_ID.fullmatch(request.kv_handle_id):
+                error = "kv_handle_id: must be 1 to 64 characters of [A-Za-z0-9_-]"
             if error or params.max_tokens <= 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error or "sampling.max_tokens: must be > 0")
             prompt = list(request.prompt_token_ids)
@@ -65,7 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s))
             if result.finish_reason is not None:
                 return response
-            response.kv_handle_id = uuid.uuid4().hex
+            response.kv_handle_id = request.kv_handle_id or uuid.uuid4().hex
             response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))
             await self._register(rid, response, result.kv, context)
             return response

@@ -39,6 +39,8 @@ class WorkerPicker:
                 await self.refresh()
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("registry refresh failed: %s", exc)
+            except Exception:  # this loop must outlive any one bad refresh, or routing freezes
+                log.exception("registry refresh failed")
             await asyncio.sleep(interval_s)
 
     def workers(self, role: str) -> list[WorkerRecord]:

@@ -123,10 +123,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return prefill_worker, decode_worker
 
     async def _run(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord, context):
-        with self._picker.track(prefill_worker, len(req.prompt)):
-            first = await self._prefill(req, prefill_worker, context)
+        # The router names the KV handle, so it can release it whatever happens to the prefill call.
+        handle_id = uuid.uuid4().hex
         decode_finished = False
         try:
+            with self._picker.track(prefill_worker, len(req.prompt)):
+                first = await self._prefill(req, prefill_worker, handle_id, context)
             timings = common_pb2.Timings()
             timings.MergeFrom(first.timings)
             timings.first_token_s = time.monotonic() - req.started
@@ -136,14 +138,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
             yield message
             if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                decode_finished = not first.kv_handle_id  # a stop string on the first token leaves KV held
                 return
             async for message in self._decode_with_retry(req, first, decode_worker, timings, context):
                 yield message
             decode_finished = True
         finally:
-            if first.kv_handle_id and not decode_finished:
-                # cancelled, or decode failed: make sure the KV is freed (a second release is harmless)
-                self._broker.release_soon(first.kv_handle_id, "cancelled", req.request_id)
+            if not decode_finished:
+                # cancelled, failed, or never handed to decode: free the KV (releasing twice is harmless)
+                self._broker.release_soon(handle_id, "cancelled", req.request_id)
 
     async def _decode_with_retry(self, req: _Request, first, worker: WorkerRecord, timings, context):
         """Decodes on `worker`; if it cannot be reached at all, once more on another decode worker.
@@ -173,10 +176,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except _DecodeUnreachable as exc:
             await self._abort_for(exc.error, replacement, "decode", context)
 
-    async def _prefill(self, req: _Request, worker: WorkerRecord, context) -> prefill_pb2.PrefillResponse:
+    async def _prefill(self, req: _Request, worker: WorkerRecord, handle_id: str,
+                       context) -> prefill_pb2.PrefillResponse:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channels.get(worker.address))
         call = prefill_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                          sampling=sampling_to_proto(req.params))
+                                          sampling=sampling_to_proto(req.params), kv_handle_id=handle_id)
         try:
             return await stub.Prefill(call, timeout=self._config.request_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -219,11 +223,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             for _ in token_ids:
                 self._metrics.itl.observe((now - req.last_message_at) / len(token_ids))
         req.last_message_at = now
+        text, kept = "", []
+        for token in token_ids:  # one at a time: tokens after a stop string are not part of the answer
+            kept.append(token)
+            text += req.text.add([token])
+            if req.text.stopped:
+                finish = FinishReason.STOP
+                break
+        token_ids = kept
         req.num_completion += len(token_ids)
         self._metrics.generation_tokens.inc(len(token_ids))
-        text = req.text.add(token_ids)
-        if req.text.stopped:
-            finish = FinishReason.STOP
         if finish is not None:
             text += req.text.flush()
         message = router_pb2.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text,

@@ -1,9 +1,11 @@
 """Incremental detokenization with stop strings.
 
-Text is released only when it is final: a trailing incomplete UTF-8 sequence
-(decoded as U+FFFD) and the last (longest stop string - 1) characters are held
-back, since the next token may complete them. The stop string itself and
-anything after it are never returned.
+Each step decodes only a short window of ids (the prefix-offset method of vLLM
+and TGI), so a long generation costs linear, not quadratic, time. Text is
+released only when it is final: bytes of an incomplete UTF-8 character stay
+undecoded until the character completes, and the last (longest stop string - 1)
+characters are held back, since the next token may complete a stop string. The
+stop string itself and anything after it are never returned.
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ class TextStream:
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset] give context for the next decode
+        self._read_offset = 0  # ids before this are in _text
         self._text = ""
         self._emitted = 0
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> str:
-        """Adds tokens; returns the newly final text. Sets `stopped` when a stop string appears."""
+        """Adds tokens; returns the newly final text. Sets `stopped` when a stop string appears;
+        after that, further tokens add nothing."""
+        if self.stopped:
+            return ""
         self._ids.extend(token_ids)
-        self._text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        self._text += self._decode_new()
         # Text before _emitted is final, so a stop string can only start within the hold-back window.
         search_from = max(0, self._emitted - self._hold)
         hits = [at for at in (self._text.find(stop, search_from) for stop in self._stop) if at >= 0]
@@ -30,14 +37,26 @@ class TextStream:
             self._text = self._text[: min(hits)]  # the earliest stop wins, whatever the list order
             self.stopped = True
             return self._release(len(self._text))
-        end = len(self._text)
-        while end > self._emitted and self._text[end - 1] == "\ufffd":
-            end -= 1  # an incomplete UTF-8 sequence: the next token completes it
-        return self._release(end - self._hold)
+        return self._release(len(self._text) - self._hold)
 
     def flush(self) -> str:
         """Everything not yet returned (call once the request has finished)."""
+        if not self.stopped:
+            self._text += self._decode(self._prefix_offset, len(self._ids))[
+                len(self._decode(self._prefix_offset, self._read_offset)):]
+            self._read_offset = len(self._ids)
         return self._release(len(self._text))
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=True)
+
+    def _decode_new(self) -> str:
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        full = self._decode(self._prefix_offset, len(self._ids))
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return full[len(prefix):]
+        return ""  # nothing new, or an incomplete character: wait for the next token
 
     def _release(self, end: int) -> str:
         if end <= self._emitted:

@@ -51,8 +51,9 @@ def validate_sampling(params: SamplingParams, prompt_len: int, spec: ModelSpec) 
 
 def validate_request(request, tokenizer, spec: ModelSpec) -> tuple[list[int], SamplingParams]:
     """GenerateRequest -> (prompt token ids, sampling params), or InvalidRequest."""
-    check(len(request.request_id) <= MAX_REQUEST_ID_LEN and request.request_id.isprintable(), "request_id",
-          f"must be printable and at most {MAX_REQUEST_ID_LEN} characters")
+    check(len(request.request_id) <= MAX_REQUEST_ID_LEN and request.request_id.isascii()
+          and request.request_id.isprintable(), "request_id",
+          f"must be printable ASCII and at most {MAX_REQUEST_ID_LEN} characters")
     which = request.WhichOneof("prompt")
     check(which is not None, "prompt", "text or token_ids is required")
     if which == "text":

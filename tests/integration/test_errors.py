@@ -53,3 +53,40 @@ def test_stop_token_and_max_tokens_one(cluster):
                        token_request([9, 10, 11], max_tokens=8, stop_token_ids=[stop_at], ignore_eos=True))
     assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
     assert stopped.last.finish_reason == 1  # STOP
+
+
+def test_stop_string_ends_the_answer_and_usage_counts_only_tokens_up_to_it(cluster, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    prompt = [40, 41, 42, 43]
+    full = generate(cluster.router_address, token_request(prompt, max_tokens=24, ignore_eos=True))
+    text = tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = generate(cluster.router_address, token_request(prompt, max_tokens=24, ignore_eos=True, stop=[stop]))
+    assert cut.text == text[: text.index(stop)]
+    assert cut.last.finish_reason == 1  # STOP
+    assert cut.last.usage.completion_tokens == len(cut.token_ids) <= len(full.token_ids)
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    assert stop in tokenizer.decode(cut.token_ids, skip_special_tokens=True)  # the last token completed it
+    assert stop not in tokenizer.decode(cut.token_ids[:-1], skip_special_tokens=True)
+
+
+def test_tiny_temperature_is_served_as_greedy(cluster):
+    greedy = generate(cluster.router_address, token_request([50, 51, 52], max_tokens=6))
+    tiny = generate(cluster.router_address, token_request([50, 51, 52], max_tokens=6, temperature=1e-39))
+    assert tiny.token_ids == greedy.token_ids
+
+
+def test_cancelling_during_prefill_frees_the_kv_at_once(cluster):
+    """The autouse check after this test requires no handle and no held KV within 5 s (the lease is 30 s)."""
+    import time
+
+    from distserve.v1 import router_pb2_grpc
+
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        for delay_s in (0.0, 0.05, 0.1, 0.2):
+            call = stub.Generate(token_request(list(range(3, 1500)), max_tokens=4), timeout=60)
+            time.sleep(delay_s)
+            call.cancel()

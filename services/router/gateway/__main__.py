@@ -10,6 +10,7 @@ from aiohttp import web
 
 from distserve.config import parse_config
 from distserve.engine.model_loader import load_tokenizer, resolve_model_path
+from distserve.engine.model_spec import load_model_spec
 from distserve.logs import setup_logging
 from distserve.tracing import init_tracing, shutdown_tracing
 from services.router.gateway.app import create_app
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     init_tracing("distserve-gateway")
     config = parse_config(GatewayConfig, argv, prefix="DISTSERVE_GATEWAY_")
     path = resolve_model_path(config.model)
-    app = create_app(config, ChatTemplate(load_tokenizer(path)), config.served_model_name or Path(path).name)
+    template = ChatTemplate(load_tokenizer(path), load_model_spec(path).max_context)
+    app = create_app(config, template, config.served_model_name or Path(path).name)
     # handler_cancellation: a client that disconnects cancels its handler, and so its router call.
     web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None,
                 shutdown_timeout=config.shutdown_grace_s)

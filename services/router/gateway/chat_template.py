@@ -12,8 +12,9 @@ from services.router.gateway.errors import bad_request
 class ChatTemplate:
     """Renders `[{"role", "content"}]` with add_generation_prompt, so the model answers as the assistant."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, max_context: int = 0):
         self._tokenizer = tokenizer
+        self.max_context = max_context  # the model's context, in tokens (0: unknown)
 
     @property
     def is_available(self) -> bool:

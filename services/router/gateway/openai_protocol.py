@@ -109,7 +109,11 @@ def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
     body.get_int("max_tokens")  # type-checked even when max_completion_tokens (the newer name) wins
     request = _parse_common(body, Endpoint.CHAT, CHAT_FIELDS, max_tokens_field)
     messages = [_chat_message(i, m) for i, m in enumerate(_required_list(body, "messages"))]
-    return dataclasses.replace(request, prompt=tuple(template.encode(messages)))
+    prompt = tuple(template.encode(messages))
+    if not request.sampling.HasField("max_tokens") and 0 < len(prompt) < template.max_context:
+        # OpenAI's chat default is no limit: answer up to the end of the model's context.
+        request.sampling.max_tokens = template.max_context - len(prompt)
+    return dataclasses.replace(request, prompt=prompt)
 
 
 def _parse_common(body: Body, endpoint: Endpoint, allowed: frozenset[str], max_tokens_field: str) -> ApiRequest:
