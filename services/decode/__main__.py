@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 
@@ -15,11 +14,12 @@ from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_loader import load_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec
-from distserve.grpc_server import ChannelPool, Service, run_grpc_server
+from distserve.grpc_server import ChannelPool, Service
 from distserve.logs import setup_logging
 from distserve.metrics import DecodeMetrics, serve_metrics
 from distserve.tracing import init_tracing, shutdown_tracing
-from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
+from distserve.worker_lifecycle import serve_worker
+from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
 from distserve.v1 import decode_pb2_grpc
 from services.decode.config import DecodeConfig
@@ -69,7 +69,6 @@ async def serve(config: DecodeConfig) -> None:
                               BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s), metrics)
     serve_metrics(config.metrics_port, config.host)
     worker_id = config.resolved_worker_id
-    tasks: list[asyncio.Task] = []
 
     def record() -> WorkerRecord:
         allocator = engine.scheduler.allocator
@@ -81,26 +80,13 @@ async def serve(config: DecodeConfig) -> None:
         metrics.waiting.set(len(engine.scheduler.waiting))
         return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load)
 
-    async def on_ready(port: int) -> None:
-        tasks.extend(asyncio.create_task(c) for c in (
-            engine.run(), preconnect(registry, receiver, config.heartbeat_s),
-            heartbeat(registry, record, config.heartbeat_s)))
-        log.info("decode worker %s ready: grpc=%s blocks=%d model=%s", worker_id, port,
-                 engine.scheduler.allocator.num_blocks, path)
-
-    async def on_shutdown() -> None:
-        tasks[-1].cancel()
-        await registry.remove("decode", worker_id)
-
     service = Service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "distserve.v1.DecodeService")
+    log.info("decode worker %s: blocks=%d model=%s", worker_id, engine.scheduler.allocator.num_blocks, path)
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, on_shutdown,
-                              grace_s=config.grace_s, drain_s=config.drain_s)
+        await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
+                           [engine.run, lambda: preconnect(registry, receiver, config.heartbeat_s)],
+                           config.grace_s, config.drain_s)
     finally:
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*tasks, return_exceptions=True)
         await receiver.close()
         await channels.close()
         await redis.aclose()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 
@@ -14,11 +13,12 @@ from distserve.config import parse_config
 from distserve.engine.model_loader import load_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import ModelSpec
-from distserve.grpc_server import ChannelPool, Service, run_grpc_server
+from distserve.grpc_server import ChannelPool, Service
 from distserve.logs import setup_logging
 from distserve.metrics import PrefillMetrics, serve_metrics
 from distserve.tracing import init_tracing, shutdown_tracing
-from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
+from distserve.worker_lifecycle import serve_worker
+from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.transfer.ucx_transfer import KvSender
 from distserve.v1 import prefill_pb2_grpc
 from services.kvbroker.store import release_channel
@@ -71,7 +71,6 @@ async def serve(config: PrefillConfig) -> None:
                                ucx_address, metrics)
     serve_metrics(config.metrics_port, config.host)
     worker_id = config.resolved_worker_id
-    tasks: list[asyncio.Task] = []
 
     def record() -> WorkerRecord:
         load = {"outstanding_tokens": batcher.outstanding_tokens, "num_waiting": batcher.num_waiting,
@@ -81,26 +80,14 @@ async def serve(config: PrefillConfig) -> None:
         metrics.held_bytes.set(held.num_bytes)
         return WorkerRecord(worker_id, "prefill", f"{config.advertise_host}:{config.port}", ucx_address, load)
 
-    async def on_ready(port: int) -> None:
-        tasks.extend(asyncio.create_task(c) for c in (
-            batcher.run(), held.run_expiry(), follow_releases(redis, worker_id, held),
-            heartbeat(registry, record, config.heartbeat_s)))
-        log.info("prefill worker %s ready: grpc=%s ucx=%s model=%s", worker_id, port, ucx_address, path)
-
-    async def on_shutdown() -> None:
-        tasks[-1].cancel()  # stop heartbeats before deregistering
-        await registry.remove("prefill", worker_id)
-
     service = Service(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer,
                       "distserve.v1.PrefillService")
+    log.info("prefill worker %s: ucx=%s model=%s", worker_id, ucx_address, path)
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, on_shutdown,
-                              grace_s=config.grace_s, drain_s=config.drain_s)
+        await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
+                           [batcher.run, held.run_expiry, lambda: follow_releases(redis, worker_id, held)],
+                           config.grace_s, config.drain_s)
     finally:
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*tasks, return_exceptions=True)
         sender.stop()
         await channels.close()
         await redis.aclose()

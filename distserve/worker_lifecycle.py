@@ -1,0 +1,53 @@
+"""The lifecycle every worker shares: serve gRPC, run background loops, stay registered.
+
+ready   -> start the worker's loops and the registry heartbeat
+SIGTERM -> stop heartbeats, deregister, keep serving for drain_s, finish in-flight calls (grace_s)
+exit    -> cancel the loops
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Awaitable, Callable
+
+from distserve.grpc_server import Service, run_grpc_server
+from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
+
+log = logging.getLogger(__name__)
+
+
+async def serve_worker(
+    address: str,
+    service: Service,
+    registry: WorkerRegistry,
+    make_record: Callable[[], WorkerRecord],
+    heartbeat_s: float,
+    loops: list[Callable[[], Awaitable[None]]],
+    grace_s: float,
+    drain_s: float,
+) -> None:
+    """Serves until SIGTERM; `loops` are started once the server is up and cancelled at exit."""
+    tasks: list[asyncio.Task] = []
+    beat: list[asyncio.Task] = []
+
+    async def on_ready(port: int) -> None:
+        tasks.extend(asyncio.create_task(loop()) for loop in loops)
+        beat.append(asyncio.create_task(heartbeat(registry, make_record, heartbeat_s)))
+        record = make_record()
+        log.info("%s worker %s ready on port %d", record.role, record.worker_id, port)
+
+    async def on_shutdown() -> None:
+        for task in beat:
+            task.cancel()  # no heartbeat may re-register the worker after this
+        record = make_record()
+        await registry.remove(record.role, record.worker_id)
+
+    try:
+        await run_grpc_server(address, [service], on_ready, on_shutdown, grace_s=grace_s, drain_s=drain_s)
+    finally:
+        for task in tasks + beat:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, *beat, return_exceptions=True)
