@@ -18,6 +18,8 @@ from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="HF model folder, or default[:small|tiny]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch device of the workers, e.g. cpu or cuda")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
     parser.add_argument("--router-port", type=int, default=50051)
@@ -34,7 +36,8 @@ def _spec(args) -> ClusterSpec:
     gateway_args += ["--api-key", args.api_key] if args.api_key else []
     return ClusterSpec(model=resolve_model_path(args.model), num_prefill=args.prefill, num_decode=args.decode,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
-                       gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args)
+                       gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
+                       env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device})
 
 
 def _print_addresses(cluster: Cluster) -> None:

@@ -32,7 +32,12 @@ class WorkerRecord:
     address: str  # host:port of its gRPC server
     ucx_address: str = ""  # host:port of its UCX listener (prefill)
     load: dict[str, float] = dataclasses.field(default_factory=dict)
+    kv_format: str = ""  # KV layout and dtype; a prefill worker's KV only fits a decode worker's of the same
     updated_at: float = 0.0
+
+
+def kv_format(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> str:
+    return f"{num_layers}x{num_kv_heads}x{head_dim}:{dtype}"
 
 
 def worker_key(role: str, worker_id: str) -> str:

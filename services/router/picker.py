@@ -51,8 +51,9 @@ class WorkerPicker:
         return min(self.workers("prefill"), default=None,
                    key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id])
 
-    def pick_decode(self, num_tokens: int = 0) -> WorkerRecord | None:
-        """The least-loaded decode worker whose KV cache can hold num_tokens at all.
+    def pick_decode(self, num_tokens: int = 0, kv_format: str = "") -> WorkerRecord | None:
+        """The least-loaded decode worker whose KV cache can hold num_tokens at all, and takes KV of
+        `kv_format` (the prefill worker's layout and dtype) when given.
 
         Workers with enough free blocks right now come first; a full one still qualifies
         (the request waits there for blocks), one too small for the request never does.
@@ -66,7 +67,8 @@ class WorkerPicker:
             free = w.load.get("free_blocks", 0)
             return (free < blocks(w), running, -free)
 
-        fits = [w for w in self.workers("decode") if w.load.get("total_blocks", float("inf")) >= blocks(w)]
+        fits = [w for w in self.workers("decode") if w.load.get("total_blocks", float("inf")) >= blocks(w)
+                and (not kv_format or w.kv_format == kv_format)]
         return min(fits, default=None, key=score)
 
     @contextlib.contextmanager

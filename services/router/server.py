@@ -98,7 +98,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def _route(self, req: _Request, context) -> tuple[WorkerRecord, WorkerRecord]:
         with tracing.span("route", req.request_id) as span:
             num_tokens = min(len(req.prompt) + req.params.max_tokens, self._spec.max_context)
-            prefill_worker, decode_worker = self._picker.pick_prefill(), self._picker.pick_decode(num_tokens)
+            prefill_worker = self._picker.pick_prefill()
+            decode_worker = prefill_worker and self._picker.pick_decode(num_tokens, prefill_worker.kv_format)
             if prefill_worker is None or not self._picker.workers("decode"):
                 missing = "prefill" if prefill_worker is None else "decode"
                 self._metrics.failures.labels(code="UNAVAILABLE").inc()
@@ -106,8 +107,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if decode_worker is None:
                 self._metrics.failures.labels(code="RESOURCE_EXHAUSTED").inc()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"prompt + max_tokens need KV for {num_tokens} tokens; no decode worker has that "
-                                    "much KV cache")
+                                    f"prompt + max_tokens need KV for {num_tokens} tokens; no decode worker taking "
+                                    f"{prefill_worker.kv_format or 'this'} KV has that much KV cache")
             span.set_attributes({
                 "distserve.prefill.worker": prefill_worker.worker_id,
                 "distserve.prefill.reason": "least outstanding prompt tokens "
@@ -162,7 +163,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except _DecodeUnreachable as exc:
             self._picker.mark_suspect(worker)
             replacement = self._picker.pick_decode(min(len(req.prompt) + req.params.max_tokens,
-                                                       self._spec.max_context))
+                                                       self._spec.max_context), worker.kv_format)
             if replacement is None or replacement.worker_id == worker.worker_id:
                 await self._abort_for(exc.error, worker, "decode", context)
             log.warning("retry request_id=%s decode %s unreachable; using %s", req.request_id, worker.worker_id,
