@@ -29,6 +29,7 @@ from distserve import tracing
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 512
+ACK_TIMEOUT_S = 60.0
 
 
 def _encode_header(handle_id: str, request_id: str) -> np.ndarray:
@@ -143,7 +144,7 @@ class KvSender:
             span.set_attributes(_transfer_attributes(data.nbytes, seconds))
         await ep.send(np.array([1], dtype=np.int64))
         ack = np.empty(1, dtype=np.int64)
-        await ep.recv(ack)
+        await asyncio.wait_for(ep.recv(ack), ACK_TIMEOUT_S)  # a stuck peer must not hold this endpoint forever
         self.counters.num_transfers += 1
         self.counters.num_bytes += data.nbytes
         self._on_sent(handle_id, data.nbytes, seconds)
