@@ -84,11 +84,20 @@ class WorkerRegistry:
         return records
 
 
-async def heartbeat(registry: WorkerRegistry, make_record: Callable[[], WorkerRecord], interval_s: float) -> None:
-    """Publishes make_record() every interval_s until cancelled; survives Redis blips."""
-    while True:
+async def heartbeat(registry: WorkerRegistry, make_record: Callable[[], WorkerRecord], interval_s: float,
+                    stop: asyncio.Event | None = None) -> None:
+    """Publishes make_record() every interval_s until `stop` is set (or cancelled); survives Redis blips.
+
+    Stopping via `stop` never interrupts a publish, so once this returns no heartbeat is in flight
+    and a deregistration that follows cannot be undone by a late one.
+    """
+    stop = stop or asyncio.Event()
+    while not stop.is_set():
         try:
             await registry.publish(make_record())
         except (aioredis.RedisError, OSError) as exc:
             log.warning("heartbeat failed: %s", exc)
-        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+        except asyncio.TimeoutError:
+            pass

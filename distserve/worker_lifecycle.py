@@ -31,16 +31,17 @@ async def serve_worker(
     """Serves until SIGTERM; `loops` are started once the server is up and cancelled at exit."""
     tasks: list[asyncio.Task] = []
     beat: list[asyncio.Task] = []
+    stop_beating = asyncio.Event()
 
     async def on_ready(port: int) -> None:
         tasks.extend(asyncio.create_task(loop()) for loop in loops)
-        beat.append(asyncio.create_task(heartbeat(registry, make_record, heartbeat_s)))
+        beat.append(asyncio.create_task(heartbeat(registry, make_record, heartbeat_s, stop_beating)))
         record = make_record()
         log.info("%s worker %s ready on port %d", record.role, record.worker_id, port)
 
     async def on_shutdown() -> None:
-        for task in beat:
-            task.cancel()  # no heartbeat may re-register the worker after this
+        stop_beating.set()
+        await asyncio.gather(*beat)  # no heartbeat in flight may re-register the worker after this
         record = make_record()
         await registry.remove(record.role, record.worker_id)
 
