@@ -12,13 +12,13 @@ timings the system reports, and transfer bandwidth (handle bytes / transfer_s).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import grpc
 
+from benchmarks.results_io import write_results
 from distserve.engine.model_loader import resolve_model_path
 from distserve.engine.model_spec import DTYPES, load_model_spec
 from distserve.launcher import Cluster, ClusterSpec
@@ -71,10 +71,7 @@ def main() -> None:
     result = {"model": path, "dtype": args.dtype, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "kv_bytes": kv_bytes, "warmup": warmup, "median": summary, "rows": rows,
               "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps({"kv_bytes": kv_bytes, "warmup": warmup, "median": summary}, indent=2))
+    write_results(args.out, result, {"kv_bytes": kv_bytes, "warmup": warmup, "median": summary})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.results_io import write_results
+
 SPANS_PER_REQUEST = 16
 _CHILD = r"""
 import json, os, sys, time
@@ -57,10 +59,7 @@ def main() -> None:
         "spans_per_request": SPANS_PER_REQUEST,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

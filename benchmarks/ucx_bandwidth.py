@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -19,6 +18,8 @@ import statistics
 import time
 
 import torch
+
+from benchmarks.results_io import write_results
 
 
 def _sender(sizes_mb: list[int], port_queue, stop_event) -> None:
@@ -79,10 +80,7 @@ def main() -> None:
     ucx_env = {**UCX_DEFAULTS, **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
     results.update({"ucx_env": ucx_env, "machine": platform.machine(),
                     "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

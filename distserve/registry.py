@@ -36,10 +36,6 @@ class WorkerRecord:
     updated_at: float = 0.0
 
 
-def kv_format(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> str:
-    return f"{num_layers}x{num_kv_heads}x{head_dim}:{dtype}"
-
-
 def worker_key(role: str, worker_id: str) -> str:
     return f"{KEY_PREFIX}{role}:{worker_id}"
 

@@ -38,6 +38,10 @@ class ModelSpec:
             eos_token_ids=tuple(sorted(set(eos_ids))),
         )
 
+    def kv_format(self, dtype: str) -> str:
+        """Names the KV layout and dtype: a prefill worker's KV fits only a decode worker of the same format."""
+        return f"{self.num_layers}x{self.num_kv_heads}x{self.head_dim}:{dtype}"
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 

@@ -19,7 +19,7 @@ from distserve.logs import setup_logging
 from distserve.metrics import DecodeMetrics, serve_metrics
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.worker_lifecycle import serve_worker
-from distserve.registry import WorkerRecord, WorkerRegistry, kv_format
+from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
 from distserve.v1 import decode_pb2_grpc
 from services.decode.config import DecodeConfig
@@ -79,7 +79,7 @@ async def serve(config: DecodeConfig) -> None:
         metrics.running.set(len(engine.scheduler.running))
         metrics.waiting.set(len(engine.scheduler.waiting))
         return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load,
-                            kv_format(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.dtype))
+                            spec.kv_format(config.dtype))
 
     service = Service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "distserve.v1.DecodeService")
     log.info("decode worker %s: blocks=%d model=%s", worker_id, engine.scheduler.allocator.num_blocks, path)

@@ -18,7 +18,7 @@ from distserve.logs import setup_logging
 from distserve.metrics import PrefillMetrics, serve_metrics
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.worker_lifecycle import serve_worker
-from distserve.registry import WorkerRecord, WorkerRegistry, kv_format
+from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.transfer.ucx_transfer import KvSender
 from distserve.v1 import prefill_pb2_grpc
 from services.kvbroker.store import release_channel
@@ -79,7 +79,7 @@ async def serve(config: PrefillConfig) -> None:
         metrics.running.set(batcher.num_running)
         metrics.held_bytes.set(held.num_bytes)
         return WorkerRecord(worker_id, "prefill", f"{config.advertise_host}:{config.port}", ucx_address, load,
-                            kv_format(spec.num_layers, spec.num_kv_heads, spec.head_dim, config.dtype))
+                            spec.kv_format(config.dtype))
 
     service = Service(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer,
                       "distserve.v1.PrefillService")

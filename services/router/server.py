@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -154,28 +155,23 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
         Unreachable means no decode worker claimed the handle, so the KV is still there to pull.
         """
-        try:
-            async for message in self._decode(req, first, worker, timings):
-                yield message
-            return
-        except grpc.aio.AioRpcError as exc:
-            await self._abort_for(exc, worker, "decode", context)
-        except _DecodeUnreachable as exc:
-            self._picker.mark_suspect(worker)
-            replacement = self._picker.pick_decode(min(len(req.prompt) + req.params.max_tokens,
-                                                       self._spec.max_context), worker.kv_format)
-            if replacement is None or replacement.worker_id == worker.worker_id:
-                await self._abort_for(exc.error, worker, "decode", context)
-            log.warning("retry request_id=%s decode %s unreachable; using %s", req.request_id, worker.worker_id,
-                        replacement.worker_id)
-        try:
-            with self._picker.track(replacement, 1):
-                async for message in self._decode(req, first, replacement, timings):
-                    yield message
-        except grpc.aio.AioRpcError as exc:
-            await self._abort_for(exc, replacement, "decode", context)
-        except _DecodeUnreachable as exc:
-            await self._abort_for(exc.error, replacement, "decode", context)
+        for attempt in range(2):
+            try:
+                with self._picker.track(worker, 1) if attempt else contextlib.nullcontext():
+                    async for message in self._decode(req, first, worker, timings):
+                        yield message
+                return
+            except grpc.aio.AioRpcError as exc:
+                await self._abort_for(exc, worker, "decode", context)
+            except _DecodeUnreachable as exc:
+                self._picker.mark_suspect(worker)
+                replacement = None if attempt else self._picker.pick_decode(
+                    min(len(req.prompt) + req.params.max_tokens, self._spec.max_context), worker.kv_format)
+                if replacement is None or replacement.worker_id == worker.worker_id:
+                    await self._abort_for(exc.error, worker, "decode", context)
+                log.warning("retry request_id=%s decode %s unreachable; using %s", req.request_id,
+                            worker.worker_id, replacement.worker_id)
+                worker = replacement
 
     async def _prefill(self, req: _Request, worker: WorkerRecord, handle_id: str,
                        context) -> prefill_pb2.PrefillResponse:
