@@ -8,7 +8,6 @@ exit    -> cancel the loops
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Awaitable, Callable
 
@@ -48,7 +47,17 @@ async def serve_worker(
     try:
         await run_grpc_server(address, [service], on_ready, on_shutdown, grace_s=grace_s, drain_s=drain_s)
     finally:
-        for task in tasks + beat:
+        await stop_tasks(tasks + beat)
+
+
+async def stop_tasks(tasks: list[asyncio.Task], rounds: int = 10, round_s: float = 1.0) -> None:
+    """Cancels tasks and waits for them, cancelling again each round: a library call that swallows
+    one cancellation (seen with a UCX connect to a dead peer) must not keep the process alive."""
+    pending = {t for t in tasks if not t.done()}
+    for _ in range(rounds):
+        if not pending:
+            return
+        for task in pending:
             task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*tasks, *beat, return_exceptions=True)
+        _, pending = await asyncio.wait(pending, timeout=round_s)
+    log.error("background tasks still running at exit: %s", [t.get_coro() for t in pending])

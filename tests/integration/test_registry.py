@@ -51,8 +51,14 @@ def test_killed_workers_leave_registry_and_are_not_chosen(cluster):
 
 def test_graceful_stop_deregisters_at_once(cluster):
     spare_ids = start_spares(cluster)
-    for name in ("prefill-spare", "decode-spare"):
-        cluster.processes[name].popen.terminate()  # SIGTERM: deregister, drain, exit
-    for name in ("prefill-spare", "decode-spare"):
-        assert cluster.processes.pop(name).popen.wait(timeout=30) == 0
-    assert not spare_ids & (registered(cluster, "prefill") | registered(cluster, "decode"))
+    spares = [cluster.processes.pop(name) for name in ("prefill-spare", "decode-spare")]
+    try:
+        for spare in spares:
+            spare.popen.terminate()  # SIGTERM: deregister, drain, exit
+        for spare in spares:
+            assert spare.popen.wait(timeout=30) == 0, f"{spare.name} did not exit cleanly:\n{spare.log_tail()}"
+        assert not spare_ids & (registered(cluster, "prefill") | registered(cluster, "decode"))
+    finally:
+        for spare in spares:
+            if spare.popen.poll() is None:
+                spare.popen.kill()
