@@ -31,16 +31,24 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     Range checks are the router's (services.router.validation).
     """
     defaults = SamplingParams()
+
+    def optional(name: str):
+        return getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
+
     return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
-        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        max_tokens=optional("max_tokens"),
+        temperature=optional("temperature"),
+        top_p=optional("top_p"),
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
+        repetition_penalty=optional("repetition_penalty"),
+        presence_penalty=optional("presence_penalty"),
+        frequency_penalty=optional("frequency_penalty"),
+        min_p=optional("min_p"),
     )
 
 
@@ -54,6 +62,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_p=params.min_p,
     )
     if params.seed is not None:
         msg.seed = params.seed

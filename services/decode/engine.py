@@ -80,7 +80,10 @@ class DecodeEngine:
         for b, seq in enumerate(batch):
             banned = banned_token_ids(seq.params, self._eos_ids, seq.num_generated)
             try:
-                tokens.append(sample_token(logits[b], seq.params, seq.num_generated, banned))
+                history = seq.tokens if seq.params.has_penalties else ()  # no per-step copies without penalties
+                tokens.append(sample_token(logits[b], seq.params, seq.num_generated, banned,
+                                           prompt_token_ids=history[:seq.prompt_len],
+                                           output_token_ids=history[seq.prompt_len:]))
             except Exception as exc:  # e.g. non-finite probabilities: fails this sequence only
                 tokens.append(exc)
         return tokens

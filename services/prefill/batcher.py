@@ -128,7 +128,8 @@ class PrefillBatcher:
         for b, pending in enumerate(batch):
             params = pending.params
             try:
-                token = sample_token(logits[b], params, 0, banned_token_ids(params, self._eos_ids, 0))
+                token = sample_token(logits[b], params, 0, banned_token_ids(params, self._eos_ids, 0),
+                                     prompt_token_ids=pending.prompt, output_token_ids=())
             except Exception as exc:  # e.g. non-finite probabilities: fails this request only
                 results.append(exc)
                 continue

@@ -41,6 +41,12 @@ def validate_sampling(params: SamplingParams, prompt_len: int, spec: ModelSpec) 
           f"must be >= 0, got {params.temperature}")
     check(math.isfinite(params.top_p) and 0 < params.top_p <= 1, "top_p", f"must be in (0, 1], got {params.top_p}")
     check(params.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {params.top_k}")
+    check(math.isfinite(params.min_p) and 0 <= params.min_p <= 1, "min_p", f"must be in [0, 1], got {params.min_p}")
+    check(math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0, "repetition_penalty",
+          f"must be > 0 (1 disables), got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        check(math.isfinite(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
     check(0 <= params.min_tokens <= params.max_tokens, "min_tokens",
           f"must be in [0, max_tokens], got {params.min_tokens}")
     check(len(params.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
 from distserve.engine.model_loader import load_tokenizer
+from distserve.engine.sampling import SamplingParams
 from services.router.gateway.chat_template import ChatTemplate
-from services.router.gateway.errors import ApiError
+from services.router.gateway.errors import ApiError, from_router_error
 from services.router.gateway.json_fields import parse_json_object
 from services.router.gateway.openai_protocol import Endpoint, check_model, parse_chat, parse_completion
+from services.router.validation import InvalidRequest, validate_request
+from tests.builders import model_spec
 
 MODEL = "distserve-tiny"
+SPEC = model_spec(vocab_size=256, max_context=64)  # for the router's validation of what the gateway sends
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +71,70 @@ def test_vllm_top_k_minus_one_means_off_and_negative_seeds_wrap():
 
 
 def test_off_values_of_unsupported_features_are_accepted():
-    request = completion(prompt="x", presence_penalty=0, frequency_penalty=0.0, logprobs=None, echo=False,
-                         best_of=1, logit_bias={})
+    request = completion(prompt="x", logprobs=None, echo=False, best_of=1, logit_bias={})
     assert request.to_router("r").text == "x"
+    assert completion(prompt="x", logprobs=False).to_router("r").text == "x"
+
+
+def test_sampler_fields_reach_the_router_request():
+    sampling = completion(prompt="x", presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.25,
+                          min_p=0.125).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert (sampling.repetition_penalty, sampling.min_p) == (1.25, 0.125)
+    unset = completion(prompt="x", presence_penalty=None).sampling
+    assert not any(unset.HasField(f) for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"))
+
+
+# What `vllm bench serve --backend vllm` posts to /v1/completions (vllm/benchmarks/lib/endpoint_request_func.py):
+# temperature 0.0 is its default; --ignore-eos adds ignore_eos.
+VLLM_BENCH_COMPLETION = {"model": MODEL, "prompt": "The quick brown fox", "repetition_penalty": 1.0, "max_tokens": 16,
+                         "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+                         "temperature": 0.0, "ignore_eos": True}
+
+
+def test_the_vllm_bench_serve_completion_body_is_accepted_and_mapped():
+    request = parse_completion(parse_json_object(json.dumps(VLLM_BENCH_COMPLETION).encode()))
+    assert (request.endpoint, request.model, request.stream, request.include_usage) == \
+        (Endpoint.COMPLETIONS, MODEL, True, True)
+    wire = request.to_router("r")
+    assert wire.text == "The quick brown fox"
+    s = wire.sampling
+    assert s.HasField("temperature") and s.temperature == 0.0 and s.max_tokens == 16 and s.ignore_eos
+    assert s.HasField("repetition_penalty") and s.repetition_penalty == 1.0
+    _, params = validate_request(wire, lambda text: {"input_ids": list(range(2, 2 + len(text.split())))}, SPEC)
+    assert params == SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert params.is_greedy and not params.has_penalties
+
+
+def test_vllm_bench_serve_sampler_flags_are_accepted_on_both_endpoints(template):
+    # --top-p --top-k --min-p --temperature --frequency-penalty --presence-penalty --repetition-penalty
+    flags = {"top_p": 0.75, "top_k": 20, "min_p": 0.0625, "temperature": 0.5, "frequency_penalty": 0.25,
+             "presence_penalty": -0.5, "repetition_penalty": 1.5}
+    chat_body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                 "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True},
+                 "ignore_eos": True, **flags}
+    chat = parse_chat(parse_json_object(json.dumps(chat_body).encode()), template)
+    completion_ = parse_completion(parse_json_object(json.dumps({**VLLM_BENCH_COMPLETION, **flags}).encode()))
+    for request in (chat, completion_):
+        s = request.sampling
+        assert (s.top_p, s.top_k, s.min_p, s.temperature) == (0.75, 20, 0.0625, 0.5)
+        assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.25, -0.5, 1.5)
+    assert chat.sampling.max_tokens == 8 and chat.stream and chat.include_usage
+
+
+@pytest.mark.parametrize("field, value", [
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("presence_penalty", 2.5),
+    ("presence_penalty", -3), ("frequency_penalty", 2.01), ("frequency_penalty", -10), ("min_p", 1.5),
+    ("min_p", -0.1), ("repetition_penalty", 1e39),  # overflows the wire's float32 to inf
+])
+def test_out_of_range_sampler_values_are_400_naming_the_param(field, value):
+    """The gateway checks types; the router checks ranges, and its error names the client's field."""
+    request = completion(prompt=[5, 6], **{field: value})
+    with pytest.raises(InvalidRequest) as exc:
+        validate_request(request.to_router("r"), None, SPEC)
+    error = from_router_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc.value), request.params, 1)
+    assert (error.status, error.param) == (400, field)
+    assert error.message.startswith(field + ":")
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -88,8 +154,13 @@ def test_off_values_of_unsupported_features_are_accepted():
     ({"prompt": "x", "stream": True, "stream_options": {"extra": True}}, "stream_options.extra"),
     ({"prompt": "x", "user": 5}, "user"),
     ({"prompt": "x", "presence_penalty": "x"}, "presence_penalty"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": True}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": "1.0"}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": [0.1]}, "min_p"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "logprobs": 0}, "logprobs"),  # 0 asks for the chosen tokens' logprobs
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "logprobs": "1"}, "logprobs"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
@@ -147,6 +218,9 @@ def test_chat_text_parts_are_joined(template):
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "many"}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "max_tokens": "x"}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_p": "low"}, "min_p"),
 ])
 def test_bad_chat_fields_are_400_naming_the_field(template, fields, param):
     error = error_of(parse_chat, body(**fields), template)

@@ -1,15 +1,20 @@
-"""Token sampling (greedy, top-k, top-p, seeds, bans) and the per-token finish rule."""
+"""Token sampling (greedy, top-k, top-p, min_p, penalties, seeds, bans) and the per-token finish rule."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
+from distserve.engine import sampling
 from distserve.engine.sampling import (
     FinishReason,
     SamplingParams,
+    apply_penalties,
     banned_token_ids,
     finish_reason_for,
     sample_token,
@@ -93,6 +98,142 @@ def test_different_seeds_draw_different_tokens():
     a = [sample_token(logits, SamplingParams(seed=1), i, []) for i in range(10)]
     b = [sample_token(logits, SamplingParams(seed=2), i, []) for i in range(10)]
     assert a != b
+
+
+# --- min_p ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("min_p, kept", [
+    (0.0, {0, 1, 2, 3}), (0.05, {0, 1, 2, 3}), (0.35, {0, 1}), (0.5, {0, 1}), (0.7, {0}), (1.0, {0}),
+])
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(min_p, kept):
+    logits = log_probs(0.5, 0.3, 0.15, 0.05)  # thresholds: min_p * 0.5
+    assert draws(logits, SamplingParams(min_p=min_p, seed=7), n=400) == kept
+
+
+def test_min_p_applies_after_temperature():
+    # at temperature 2 the probabilities are ~0.379, 0.293, 0.208, 0.120: min_p 0.5 keeps those >= 0.189
+    logits = log_probs(0.5, 0.3, 0.15, 0.05)
+    assert draws(logits, SamplingParams(temperature=2.0, min_p=0.5, seed=8), n=400) == {0, 1, 2}
+
+
+def test_min_p_does_not_change_greedy():
+    logits = torch.tensor([0.0, 3.0, 2.9])
+    assert sample_token(logits, SamplingParams(temperature=0.0, min_p=0.99), 0, []) == 1
+
+
+# --- penalties -----------------------------------------------------------------
+
+SMALL_LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+SMALL_PROMPT = [0, 1]
+SMALL_OUTPUT = [3, 3, 2]
+
+
+@pytest.mark.parametrize("params, expected", [
+    # repetition 2 on tokens 0-3 (prompt or output): positive / 2, negative * 2; token 4 never seen
+    (SamplingParams(repetition_penalty=2.0), [1.0, -2.0, 0.25, 1.5, -2.0]),
+    (SamplingParams(repetition_penalty=0.5), [4.0, -0.5, 1.0, 6.0, -2.0]),
+    # presence 0.5 once per output token (2, 3), frequency 0.25 per occurrence (3 twice, 2 once); prompt ignored
+    (SamplingParams(presence_penalty=0.5), [2.0, -1.0, 0.0, 2.5, -2.0]),
+    (SamplingParams(frequency_penalty=0.25), [2.0, -1.0, 0.25, 2.5, -2.0]),
+    (SamplingParams(frequency_penalty=-1.0), [2.0, -1.0, 1.5, 5.0, -2.0]),
+    (SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+     [1.0, -2.0, -0.5, 0.5, -2.0]),
+], ids=["repetition", "repetition-below-one", "presence", "frequency", "negative-frequency", "all"])
+def test_penalties_against_hand_computed_logits(params, expected):
+    before = SMALL_LOGITS.clone()
+    got = apply_penalties(SMALL_LOGITS, params, SMALL_PROMPT, SMALL_OUTPUT)
+    assert torch.allclose(got, torch.tensor(expected))
+    assert torch.equal(SMALL_LOGITS, before)  # the input is not modified
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
+def test_repetition_penalty_matches_transformers(penalty):
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(200, generator=gen) * 3
+    prompt = torch.randint(0, 200, (40,), generator=gen).tolist()
+    output = torch.randint(0, 200, (25,), generator=gen).tolist()
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits[None].clone())[0]
+    got = apply_penalties(logits, SamplingParams(repetition_penalty=penalty), prompt, output)
+    assert torch.allclose(got, expected)
+    assert not torch.equal(got, logits)
+
+
+def test_presence_and_frequency_follow_the_openai_formula():
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(100, generator=gen)
+    prompt = torch.randint(0, 100, (30,), generator=gen).tolist()
+    output = torch.randint(0, 20, (60,), generator=gen).tolist()  # many repeats
+    params = SamplingParams(presence_penalty=0.7, frequency_penalty=-0.3)
+    expected = logits.clone()
+    for token, count in collections.Counter(output).items():
+        expected[token] -= params.presence_penalty + params.frequency_penalty * count
+    assert torch.allclose(apply_penalties(logits, params, prompt, output), expected)
+
+
+def test_penalties_accept_tensors_and_keep_the_dtype():
+    logits = SMALL_LOGITS.to(torch.bfloat16)
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    got = apply_penalties(logits, params, torch.tensor(SMALL_PROMPT), torch.tensor(SMALL_OUTPUT))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, apply_penalties(logits, params, SMALL_PROMPT, SMALL_OUTPUT))
+    assert torch.equal(got.float(), torch.tensor([1.0, -2.0, -0.5, 0.5, -2.0]))
+
+
+def test_neutral_params_compute_nothing_extra(monkeypatch):
+    def fail(*args):
+        raise AssertionError("penalties computed with neutral params")
+
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(13))
+    assert apply_penalties(logits, SamplingParams(), [1, 2], [3]) is logits
+    monkeypatch.setattr(sampling, "apply_penalties", fail)
+    monkeypatch.setattr(sampling, "_filter_min_p", fail)
+    assert not SamplingParams().has_penalties
+    # token ids outside the vocabulary would fail if they were read
+    assert sample_token(logits, GREEDY, 0, [], [10**6], [10**6]) == int(logits.argmax())
+    assert sample_token(logits, SamplingParams(seed=3), 4, [], [10**6], [10**6]) == \
+        sample_token(logits, SamplingParams(seed=3), 4, [])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(repetition_penalty=1.1), SamplingParams(presence_penalty=-0.1),
+    SamplingParams(frequency_penalty=2.0),
+])
+def test_has_penalties(params):
+    assert params.has_penalties
+
+
+def test_penalties_change_greedy_output():
+    assert sample_token(SMALL_LOGITS, GREEDY, 0, []) == 3
+    params = dataclasses.replace(GREEDY, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    assert sample_token(SMALL_LOGITS, params, 3, [], SMALL_PROMPT, SMALL_OUTPUT) == 0
+    # repetition covers the prompt too: output token 3 falls to 1.5, and prompt token 0 from 2.0 to 1.0
+    repetition = dataclasses.replace(GREEDY, repetition_penalty=2.0)
+    assert sample_token(SMALL_LOGITS, repetition, 3, [], [], SMALL_OUTPUT) == 0
+    assert sample_token(SMALL_LOGITS, repetition, 3, [], SMALL_PROMPT, SMALL_OUTPUT) == 3
+
+
+def test_a_strong_frequency_penalty_stops_sampling_repeats():
+    logits = torch.zeros(4)
+    params = SamplingParams(frequency_penalty=2.0, seed=14)
+    assert draws(logits, params) == {0, 1, 2, 3}
+    assert {sample_token(logits, params, i, [], [], [0] * 10 + [2] * 10) for i in range(300)} == {1, 3}
+
+
+def test_penalties_are_applied_on_top_of_banned_tokens():
+    logits = torch.tensor([5.0, 1.0, -1.0])
+    params = dataclasses.replace(GREEDY, repetition_penalty=0.1, frequency_penalty=-2.0)
+    assert sample_token(logits, params, 0, [0], [0], [0, 0]) == 1  # a banned token stays banned
+
+
+def test_seeded_sampling_with_penalties_is_reproducible():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(15))
+    params = SamplingParams(seed=99, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                            min_p=0.01, top_k=50)
+    prompt, output = list(range(0, 60, 3)), [7, 7, 9]
+    first = [sample_token(logits, params, i, [], prompt, output) for i in range(20)]
+    assert [sample_token(logits.clone(), params, i, [], list(prompt), tuple(output)) for i in range(20)] == first
+    assert sample_token(logits, params, 11, [], prompt, output) == first[11]
 
 
 def test_banned_token_ids_until_min_tokens():

@@ -49,6 +49,19 @@ BAD_REQUESTS = {
     "top-p-above-one": (token_request([5], top_p=1.5), "top_p"),
     "top-p-nan": (token_request([5], top_p=math.nan), "top_p"),
     "top-k-negative": (token_request([5], top_k=-1), "top_k"),
+    "min-p-negative": (token_request([5], min_p=-0.1), "min_p"),
+    "min-p-above-one": (token_request([5], min_p=1.5), "min_p"),
+    "min-p-nan": (token_request([5], min_p=math.nan), "min_p"),
+    "repetition-penalty-zero": (token_request([5], repetition_penalty=0.0), "repetition_penalty"),
+    "repetition-penalty-negative": (token_request([5], repetition_penalty=-1.0), "repetition_penalty"),
+    "repetition-penalty-inf": (token_request([5], repetition_penalty=math.inf), "repetition_penalty"),
+    "repetition-penalty-nan": (token_request([5], repetition_penalty=math.nan), "repetition_penalty"),
+    "presence-penalty-above-two": (token_request([5], presence_penalty=2.5), "presence_penalty"),
+    "presence-penalty-below-minus-two": (token_request([5], presence_penalty=-2.5), "presence_penalty"),
+    "presence-penalty-nan": (token_request([5], presence_penalty=math.nan), "presence_penalty"),
+    "frequency-penalty-above-two": (token_request([5], frequency_penalty=3.0), "frequency_penalty"),
+    "frequency-penalty-below-minus-two": (token_request([5], frequency_penalty=-2.1), "frequency_penalty"),
+    "frequency-penalty-inf": (token_request([5], frequency_penalty=-math.inf), "frequency_penalty"),
     "min-tokens-over-max-tokens": (token_request([5], max_tokens=4, min_tokens=5), "min_tokens"),
     "min-tokens-negative": (token_request([5], min_tokens=-1), "min_tokens"),
     "empty-stop-string": (token_request([5], stop=["ok", ""]), "stop"),
@@ -74,12 +87,28 @@ def test_text_prompt_is_tokenized_and_params_read():
                                     stop_token_ids=(7,), ignore_eos=True, min_tokens=2)
 
 
+def test_sampler_fields_are_read_and_their_limits_are_inclusive():
+    _, params = validate(token_request([5], temperature=0.5, repetition_penalty=1.25, presence_penalty=-0.5,
+                                       frequency_penalty=0.75, min_p=0.125))
+    assert params == SamplingParams(max_tokens=16, temperature=0.5, repetition_penalty=1.25, presence_penalty=-0.5,
+                                    frequency_penalty=0.75, min_p=0.125)
+    assert params.has_penalties
+    _, params = validate(token_request([5], presence_penalty=2.0, frequency_penalty=-2.0, min_p=1.0))
+    assert (params.presence_penalty, params.frequency_penalty, params.min_p) == (2.0, -2.0, 1.0)
+    _, params = validate(token_request([5], presence_penalty=-2.0, frequency_penalty=2.0, min_p=0.0,
+                                       repetition_penalty=1e-3))
+    assert (params.presence_penalty, params.frequency_penalty, params.min_p) == (-2.0, 2.0, 0.0)
+    assert params.repetition_penalty > 0
+
+
 def test_unset_optional_fields_take_the_defaults():
     request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6]))
     tokens, params = validate(request)
     assert tokens == [5, 6]
     assert params == SamplingParams()
     assert params.seed is None and params.temperature == 1.0 and params.top_p == 1.0 and params.max_tokens == 16
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty, params.min_p) == (1, 0, 0, 0)
+    assert not params.has_penalties
 
 
 def test_the_context_limits_are_inclusive_where_they_fit():

@@ -5,7 +5,9 @@ check, so they are checked once; its "<field>: <message>" errors are mapped
 back through `ApiRequest.params`. What the gateway checks is what the wire
 cannot carry or the router cannot know: JSON types, int32/uint64 limits, n,
 stream_options, batched prompts, chat messages, and unsupported OpenAI
-features (accepted only at their "off" value, e.g. presence_penalty 0).
+features (accepted only at their "off" value, e.g. logit_bias {}).
+
+The field tables below are the one place that says which fields each endpoint takes.
 """
 
 from __future__ import annotations
@@ -58,11 +60,10 @@ _IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel_tool_calls": (lambda v: isinstance(v, bool), "a boolean"),
 }
 # Features this server does not implement: accepted only at the value that turns them off.
+# null is always accepted; off values compare by type too, so logprobs 0 (chosen-token logprobs) is not false.
 _OFF_ONLY: dict[str, tuple[Callable[[Any], bool], str, tuple[Any, ...]]] = {
-    "frequency_penalty": (is_number, "a number", (0,)),
-    "presence_penalty": (is_number, "a number", (0,)),
     "logit_bias": (lambda v: isinstance(v, dict), "an object", ({},)),
-    "logprobs": (lambda v: isinstance(v, (bool, int)), "an integer or a boolean", (0,)),
+    "logprobs": (lambda v: isinstance(v, (bool, int)), "an integer or a boolean", (False,)),
     "top_logprobs": (is_int, "an integer", (0,)),
     "best_of": (is_int, "an integer", (1,)),
     "echo": (lambda v: isinstance(v, bool), "a boolean", (False,)),
@@ -74,9 +75,12 @@ _OFF_ONLY: dict[str, tuple[Callable[[Any], bool], str, tuple[Any, ...]]] = {
     "function_call": (lambda v: isinstance(v, (str, dict)), "a string or an object", ("none", "auto")),
     "modalities": (lambda v: isinstance(v, list), "an array", (["text"],)),
 }
-_SAMPLING = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+# Numbers copied, when given, to the SamplingParams field of the same name; the router checks their ranges.
+_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",  # OpenAI's
+            "repetition_penalty", "min_p")  # vLLM's extras
+_SAMPLING = {"model", "stream", "stream_options", "max_tokens", "seed", "stop", "n", *_NUMBERS,
              "top_k", "ignore_eos", "stop_token_ids", "min_tokens"}  # top_k and below: vLLM's extras
-_COMMON = _SAMPLING | set(_IGNORED) | {"frequency_penalty", "presence_penalty", "logit_bias", "logprobs"}
+_COMMON = _SAMPLING | set(_IGNORED) | {"logit_bias", "logprobs"}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                    "functions", "tool_choice", "function_call", "modalities"})
@@ -145,7 +149,7 @@ def _check_field_names(body: Body, allowed: frozenset[str]) -> None:
             is_type, type_name, off = _OFF_ONLY[name]
             if not is_type(value):
                 raise bad_request(name, f"must be {type_name}, got {show(value)}")
-            if value not in off:
+            if not any(type(value) is type(o) and value == o for o in off):
                 raise bad_request(name, f"{show(value)} is not supported by this server (only {show(off[0])})")
 
 
@@ -171,7 +175,7 @@ def _sampling(body: Body, max_tokens_field: str) -> common_pb2.SamplingParams:
     max_tokens = body.get_int(max_tokens_field)
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
-    for name in ("temperature", "top_p"):
+    for name in _NUMBERS:
         value = body.get_number(name)
         if value is not None:
             setattr(sampling, name, value)
