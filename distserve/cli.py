@@ -11,6 +11,8 @@ import time
 
 import grpc
 
+from distserve.config import ConfigError
+from distserve.engine.dtype import DTYPE_CHOICES
 from distserve.engine.model_loader import resolve_model_path
 from distserve.launcher import Cluster, ClusterSpec
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -18,8 +20,12 @@ from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="HF model folder, or default[:small|tiny]")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="auto: bfloat16 on CUDA or on CPUs with bf16 instructions, else float32")
     parser.add_argument("--device", default="cpu", help="torch device of the workers, e.g. cpu or cuda")
+    parser.add_argument("--cpus", default="", help="cores to split among the workers, one share each, e.g. 0-3 "
+                                                   "(default: all cores this process may use)")
+    parser.add_argument("--share-cores", action="store_true", help="do not split: every worker may use all cores")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
     parser.add_argument("--router-port", type=int, default=50051)
@@ -37,7 +43,12 @@ def _spec(args) -> ClusterSpec:
     return ClusterSpec(model=resolve_model_path(args.model), num_prefill=args.prefill, num_decode=args.decode,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
+                       cpus=args.cpus, share_cores=args.share_cores,
                        env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device})
+
+
+def _print_cores(cluster: Cluster) -> None:
+    print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()), flush=True)
 
 
 def _print_addresses(cluster: Cluster) -> None:
@@ -97,6 +108,7 @@ def _up(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    _print_cores(cluster)
     cluster.start()
     try:
         _print_addresses(cluster)
@@ -109,7 +121,9 @@ def _up(args) -> int:
 
 
 def _demo(args) -> int:
-    cluster = Cluster(_spec(args)).start()
+    cluster = Cluster(_spec(args))
+    _print_cores(cluster)
+    cluster.start()
     try:
         _print_addresses(cluster)
         args.router = cluster.router_address
@@ -161,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("--jaeger", default="http://127.0.0.1:16686", help="Jaeger query (UI) base URL")
     trace.add_argument("--service", default="distserve-router", help="service to search the request id in")
     args = parser.parse_args(argv)
-    return {"up": _up, "demo": _demo, "generate": _generate, "trace": _trace}[args.command](args)
+    try:
+        return {"up": _up, "demo": _demo, "generate": _generate, "trace": _trace}[args.command](args)
+    except ConfigError as exc:  # e.g. --cpus naming cores this machine lacks
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,12 @@
 
 `distserve up`, `distserve demo` and the integration tests all start processes
 through `Cluster`, so what the tests exercise is what users run.
+
+Cores: each prefill and decode worker is pinned (`--cpus`, and OMP_NUM_THREADS
+set to match) to its own cores, split by `distserve.cpus.split_cores`; two
+workers share a core only when there are fewer cores than workers, and then a
+warning is logged. Redis, the kvbroker, the router and the gateway are not
+pinned: they inherit the launcher's affinity and do little compute.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from distserve.config import ConfigError
+from distserve.cpus import format_cpu_list, parse_cpu_list, split_cores
 
 
 def find_redis_server() -> str:
@@ -63,6 +72,21 @@ class ClusterSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     prefill_args: list[str] = dataclasses.field(default_factory=list)
     decode_args: list[str] = dataclasses.field(default_factory=list)
+    cpus: str = ""  # cores to split among the workers, e.g. 0-3; empty: those the launcher may run on
+    share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
+
+
+def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
+    """Cores of each worker, by process name (prefill-0.., decode-0..); see split_cores for the policy."""
+    allowed = os.sched_getaffinity(0)
+    available = parse_cpu_list(spec.cpus) if spec.cpus else sorted(allowed)
+    if not set(available) <= allowed:
+        raise ConfigError(f"cpus: cores {sorted(set(available) - allowed)} are not available "
+                          f"(this process may use {sorted(allowed)})")
+    names = [f"prefill-{i}" for i in range(spec.num_prefill)] + [f"decode-{i}" for i in range(spec.num_decode)]
+    if spec.share_cores:
+        return {name: available for name in names}
+    return dict(zip(names, split_cores(available, spec.num_prefill, spec.num_decode)))
 
 
 @dataclasses.dataclass
@@ -94,6 +118,7 @@ class Cluster:
         self.processes: dict[str, ManagedProcess] = {}
         self.redis_url = spec.redis_url
         self.gateway_url = ""
+        self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
 
     def _port(self, wanted: int, offset: int = 0) -> int:
         return wanted + offset if wanted else free_port()
@@ -159,14 +184,21 @@ class Cluster:
 
     def start_service(self, name: str, module: str, address: str, extra_args: list[str],
                       metrics_port: int | None = None) -> ManagedProcess:
-        """Spawns `python -m module` serving gRPC on address; metrics on metrics_port (default: a free one)."""
+        """Spawns `python -m module` serving gRPC on address; metrics on metrics_port (default: a free one).
+
+        A worker named in worker_cpus (the spec's prefill-i, decode-i) is pinned to its cores; others are not."""
         port = address.rpartition(":")[2]
         metrics_port = metrics_port or free_port()
         env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url,
                "OTEL_SERVICE_NAME": f"distserve-{module.rpartition('.')[2]}"}
         if "kvbroker" in self.processes:
             env["DISTSERVE_BROKER_ADDRESS"] = self.processes["kvbroker"].address
-        argv = [sys.executable, "-m", module, "--port", port, "--metrics-port", str(metrics_port), *extra_args]
+        argv = [sys.executable, "-m", module, "--port", port, "--metrics-port", str(metrics_port)]
+        if name in self.worker_cpus:  # before extra_args, so an explicit --cpus there wins
+            cpus = self.worker_cpus[name]
+            argv += ["--cpus", format_cpu_list(cpus)]
+            env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's OpenMP pool is sized at import
+        argv += extra_args
         process = self._spawn(name, argv, env)
         process.address = address
         process.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from distserve.config import require, setting
-from distserve.engine.model_spec import DTYPES
+from distserve.cpus import parse_cpu_list
+from distserve.engine.dtype import DTYPE_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,8 +19,10 @@ class DecodeConfig:
     advertise_host: str = setting("127.0.0.1", "host other services use to reach this worker")
     worker_id: str = setting("", "unique worker id (default: decode-<host>-<port>)")
     model: str = setting("default", "HF model folder, or default[:small|tiny]", env="DISTSERVE_MODEL")
-    dtype: str = setting("float32", "model dtype", env="DISTSERVE_DTYPE")
+    dtype: str = setting("auto", "model dtype; auto: bfloat16 on CUDA or on CPUs with bf16 instructions, "
+                         "else float32", env="DISTSERVE_DTYPE")
     device: str = setting("cpu", "torch device", env="DISTSERVE_DEVICE")
+    cpus: str = setting("", "cores to pin this worker to, e.g. 0 or 2-3 (empty: all cores the process may use)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
     block_size: int = setting(16, "tokens per KV block")
@@ -35,7 +38,9 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
-        require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.cpus:
+            parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
         require(self.block_size > 0, "block_size", "must be > 0")
         require(self.kv_cache_mb > 0, "kv_cache_mb", "must be > 0")
         require(self.max_running > 0, "max_running", "must be > 0")

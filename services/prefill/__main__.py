@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 
@@ -10,6 +11,8 @@ import redis.asyncio as aioredis
 
 from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
+from distserve.cpus import apply_cpus
+from distserve.engine.dtype import resolve_dtype
 from distserve.engine.model_loader import load_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import ModelSpec
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("prefill")
     init_tracing("distserve-prefill")
     config = parse_config(PrefillConfig, argv, prefix="DISTSERVE_PREFILL_")
+    apply_cpus(config.cpus)  # before torch does parallel work
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
     asyncio.run(serve(config))
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from distserve.config import require, setting
-from distserve.engine.model_spec import DTYPES
+from distserve.cpus import parse_cpu_list
+from distserve.engine.dtype import DTYPE_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,8 +20,10 @@ class PrefillConfig:
     ucx_port: int = setting(0, "UCX listener port (0: any free port)")
     worker_id: str = setting("", "unique worker id (default: prefill-<host>-<port>)")
     model: str = setting("default", "HF model folder, or default[:small|tiny]", env="DISTSERVE_MODEL")
-    dtype: str = setting("float32", "model dtype", env="DISTSERVE_DTYPE")
+    dtype: str = setting("auto", "model dtype; auto: bfloat16 on CUDA or on CPUs with bf16 instructions, "
+                         "else float32", env="DISTSERVE_DTYPE")
     device: str = setting("cpu", "torch device", env="DISTSERVE_DEVICE")
+    cpus: str = setting("", "cores to pin this worker to, e.g. 0 or 2-3 (empty: all cores the process may use)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
     max_batch_tokens: int = setting(2048, "saturation length: padded prompt tokens per forward batch")
@@ -33,7 +36,9 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
-        require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.cpus:
+            parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
         require(self.max_batch_tokens > 0, "max_batch_tokens", "must be > 0")
         require(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")

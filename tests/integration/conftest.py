@@ -31,10 +31,11 @@ def cluster(tiny_model_path, tmp_path_factory, otlp_receiver):
     # Every service exports its spans to the test's OTLP receiver, flushing quickly.
     tracing_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
                    "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    # float32 explicitly: tests compare tokens with transformers' fp32 output, and `auto` may pick bf16.
     spec = ClusterSpec(
         model=tiny_model_path, num_prefill=2, num_decode=2, gateway_port=0,
         router_port=0, broker_port=0, prefill_base_port=0, decode_base_port=0, redis_port=0, metrics_base_port=0,
-        env=tracing_env,
+        env={**tracing_env, "DISTSERVE_DTYPE": "float32"},
         log_dir=str(tmp_path_factory.mktemp("logs")),
         prefill_args=["--max-batch-tokens", "2048", "--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5"],
         decode_args=["--kv-cache-mb", "64", "--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5"],

@@ -240,7 +240,8 @@ def small_cluster(tiny_model_path, tmp_path_factory):
     free_ports = {f.name: 0 for f in dataclasses.fields(ClusterSpec) if f.name.endswith("_port")}  # incl. gateway
     spec = ClusterSpec(model=tiny_model_path, **free_ports, gateway_args=["--api-key", API_KEY],
                        log_dir=str(tmp_path_factory.mktemp("small-logs")),
-                       decode_args=["--kv-cache-mb", "1", "--admission-timeout-s", "0.5"])
+                       decode_args=["--kv-cache-mb", "1", "--admission-timeout-s", "0.5"],
+                       env={"DISTSERVE_DTYPE": "float32"})  # fp32: 1 MiB holds 128 blocks
     small = Cluster(spec).start()
     wait_for_workers(small, 1, 1)
     yield small

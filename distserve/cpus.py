@@ -1,0 +1,121 @@
+"""Which CPU cores each worker runs on.
+
+A prefill and a decode worker on one machine each default to a torch thread
+pool as wide as the machine, so their matmuls preempt each other. `distserve up`
+gives each worker its own cores (`split_cores`), passes them as `--cpus`, and
+each worker pins itself at start (`apply_cpus`), before torch does parallel work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from distserve.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def parse_cpu_list(text: str, field: str = "cpus") -> list[int]:
+    """Parses a Linux CPU list such as "0", "2-3" or "0,2-3" into sorted core ids.
+
+    Raises ConfigError (a ValueError) whose message starts with `field`.
+    """
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not (first.isdigit() and (not dash or last.isdigit())):
+            raise ConfigError(f"{field}: expected core ids like 0, 2-3 or 0,2-3; got {text!r}")
+        low, high = int(first), int(last) if dash else int(first)
+        if low > high:
+            raise ConfigError(f"{field}: range {part.strip()!r} runs backwards")
+        cpus.update(range(low, high + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """The inverse of parse_cpu_list: [0, 2, 3] -> "0,2,3"."""
+    return ",".join(str(cpu) for cpu in cpus)
+
+
+def split_cores(available: list[int], num_prefill: int, num_decode: int) -> list[list[int]]:
+    """Assigns cores to N = num_prefill + num_decode workers, in the order prefill-0.., then decode-0...
+
+    With at least as many cores as workers, every worker gets its own contiguous,
+    disjoint run of `available` (in the order given): each gets len(available) // N
+    cores and the first len(available) % N workers one more, so spare cores go to
+    prefill workers first (prefill is compute-bound and gains most from threads).
+    No two workers share a core. 2 cores, 1+1: [[0], [1]]; 4 cores, 1+1: [[0, 1], [2, 3]].
+
+    With fewer cores than workers, worker i gets the single core available[i % len(available)]
+    (round-robin) and a warning is logged, since workers on one core slow each other down.
+    2 cores, 2+2: [[0], [1], [0], [1]].
+    """
+    num_workers = num_prefill + num_decode
+    if num_workers == 0:
+        return []
+    if not available:
+        raise ConfigError("cpus: no cores to split")
+    if num_workers <= len(available):
+        share, extra = divmod(len(available), num_workers)
+        split, start = [], 0
+        for i in range(num_workers):
+            end = start + share + (1 if i < extra else 0)
+            split.append(list(available[start:end]))
+            start = end
+        return split
+    log.warning("%d workers but only %d cores %s: workers share cores round-robin and will slow each other "
+                "down; start fewer workers or give more cores (--cpus)", num_workers, len(available), available)
+    return [[available[i % len(available)]] for i in range(num_workers)]
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Pins every thread of this process to `cpus` and sizes torch's thread pools to match.
+
+    Call before torch does any parallel work: the inter-op pool can only be sized
+    before its first use (after that it is left as it is). Raises ConfigError naming
+    `cpus` when any of the cores is not one this process may run on.
+    """
+    import torch  # here, so that planning cores (the launcher) does not load torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    for thread_id in _thread_ids():
+        try:
+            os.sched_setaffinity(thread_id, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            raise ConfigError(f"cpus: cannot pin to cores {cpus} (this process may use {allowed}): {exc}") from exc
+    # The kernel silently drops cores outside the cgroup's cpuset; asking for them is a mistake.
+    pinned = sorted(os.sched_getaffinity(0))
+    if set(pinned) != set(cpus):
+        raise ConfigError(f"cpus: cores {sorted(set(cpus) - set(pinned))} are not available (got {pinned})")
+    torch.set_num_threads(len(pinned))
+    try:
+        torch.set_num_interop_threads(1)  # inference runs one graph at a time
+    except RuntimeError:  # already sized, or parallel work already started
+        pass
+
+
+def apply_cpus(text: str) -> list[int]:
+    """A worker's start-up step: pins to the cores in `text` (a --cpus value), or with "" stays on the
+    current affinity mask; either way torch gets one thread per core. Returns the cores."""
+    import torch
+
+    if text:
+        cpus = parse_cpu_list(text)
+        pin_process(cpus)
+        log.info("pinned to cores %s, torch threads %d", cpus, torch.get_num_threads())
+    else:
+        cpus = sorted(os.sched_getaffinity(0))
+        torch.set_num_threads(len(cpus))
+        log.info("not pinned: cores %s, torch threads %d", cpus, torch.get_num_threads())
+    return cpus
+
+
+def _thread_ids() -> list[int]:
+    """Ids of this process's threads (sched_setaffinity(0) would pin only the calling one)."""
+    try:
+        return [int(name) for name in os.listdir("/proc/self/task")]
+    except FileNotFoundError:
+        return [0]

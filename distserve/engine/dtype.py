@@ -1,0 +1,41 @@
+"""Choosing the model dtype: `auto` picks bfloat16 where the hardware computes it natively."""
+
+from __future__ import annotations
+
+import logging
+
+from distserve.engine.model_spec import DTYPES
+
+log = logging.getLogger(__name__)
+
+DTYPE_CHOICES = ("auto", *DTYPES)
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags of the first CPU in /proc/cpuinfo; empty where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """Returns a key of DTYPES. Explicit names pass through; `auto` is bfloat16 on CUDA, and on CPU
+    when it has bf16 instructions (AMX or AVX512-BF16), else float32 (bf16 emulated on CPU is slower
+    than fp32)."""
+    if name != "auto":
+        return name
+    if device.startswith("cuda"):
+        resolved = "bfloat16"
+    elif device == "cpu" and cpu_flags() & set(BF16_CPU_FLAGS):
+        resolved = "bfloat16"
+    else:
+        resolved = "float32"
+    log.info("dtype auto -> %s on %s", resolved, device)
+    return resolved

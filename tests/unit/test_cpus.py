@@ -1,0 +1,164 @@
+"""Cores per worker: parsing --cpus, the launcher's split, pinning this process, and the worker configs."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from distserve.config import ConfigError, parse_config
+from distserve.cpus import apply_cpus, format_cpu_list, parse_cpu_list, pin_process, split_cores
+from distserve.launcher import ClusterSpec, plan_worker_cpus
+from services.decode.config import DecodeConfig
+from services.prefill.config import PrefillConfig
+
+
+@pytest.mark.parametrize("text, cpus", [
+    ("0", [0]), ("2-3", [2, 3]), ("0,2-3", [0, 2, 3]), (" 1 , 4-6 ", [1, 4, 5, 6]), ("3,1,1", [1, 3]),
+])
+def test_parse_cpu_list(text, cpus):
+    assert parse_cpu_list(text) == cpus
+    assert parse_cpu_list(format_cpu_list(cpus)) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "0,", ",1", "1-", "-1", "3-2", "0;1", "1.5", "0-1-2"])
+def test_parse_cpu_list_rejects_bad_input_naming_the_field(text):
+    with pytest.raises(ValueError, match=r"^cpus: "):
+        parse_cpu_list(text)
+    with pytest.raises(ConfigError, match=r"^spec\.cpus: "):
+        parse_cpu_list(text, "spec.cpus")
+
+
+@pytest.mark.parametrize("available, num_prefill, num_decode, expected", [
+    ([0, 1], 1, 1, [[0], [1]]),
+    ([0, 1, 2, 3], 1, 1, [[0, 1], [2, 3]]),
+    ([0, 1, 2, 3], 2, 2, [[0], [1], [2], [3]]),
+    ([0, 1, 2], 1, 1, [[0, 1], [2]]),  # the spare core goes to prefill
+    ([4, 5, 6, 7, 8], 1, 2, [[4, 5], [6, 7], [8]]),
+    ([2, 3], 0, 1, [[2, 3]]),
+    ([0, 1], 0, 0, []),
+])
+def test_split_gives_each_worker_its_own_cores(available, num_prefill, num_decode, expected, caplog):
+    with caplog.at_level(logging.WARNING, logger="distserve.cpus"):
+        split = split_cores(available, num_prefill, num_decode)
+    assert split == expected
+    used = [cpu for cpus in split for cpu in cpus]
+    assert len(used) == len(set(used))  # disjoint
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("available, num_prefill, num_decode, expected", [
+    ([0], 1, 1, [[0], [0]]),
+    ([0, 1], 2, 2, [[0], [1], [0], [1]]),
+    ([5, 6], 2, 1, [[5], [6], [5]]),
+])
+def test_split_with_too_few_cores_shares_round_robin_and_warns(available, num_prefill, num_decode, expected,
+                                                                caplog):
+    with caplog.at_level(logging.WARNING, logger="distserve.cpus"):
+        assert split_cores(available, num_prefill, num_decode) == expected
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "share cores" in caplog.text
+
+
+def test_launcher_names_each_workers_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))  # a machine with 8 cores
+    spec = ClusterSpec(model="m", num_prefill=1, num_decode=2, cpus="0-3")
+    assert plan_worker_cpus(spec) == {"prefill-0": [0, 1], "decode-0": [2], "decode-1": [3]}
+    shared = ClusterSpec(model="m", num_prefill=1, num_decode=1, cpus="0-3", share_cores=True)
+    assert plan_worker_cpus(shared) == {"prefill-0": [0, 1, 2, 3], "decode-0": [0, 1, 2, 3]}
+
+
+def test_launcher_defaults_to_the_cores_it_may_use():
+    allowed = sorted(os.sched_getaffinity(0))
+    plan = plan_worker_cpus(ClusterSpec(model="m", num_prefill=1, num_decode=1))
+    assert plan == dict(zip(["prefill-0", "decode-0"], split_cores(allowed, 1, 1)))
+
+
+def test_launcher_rejects_cores_it_may_not_use():
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ConfigError, match=r"^cpus: .*not available"):
+        plan_worker_cpus(ClusterSpec(model="m", cpus=str(missing)))
+
+
+@pytest.fixture
+def restore_affinity_and_threads():
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    yield
+    pin_process(sorted(affinity))
+    torch.set_num_threads(threads)
+
+
+def test_pin_process_to_the_current_mask_keeps_it_and_sets_threads(restore_affinity_and_threads):
+    current = sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(len(current) + 3)
+    pin_process(current)
+    assert sorted(os.sched_getaffinity(0)) == current
+    assert torch.get_num_threads() == len(current)
+
+
+def test_pin_process_narrows_every_thread(restore_affinity_and_threads):
+    core = min(os.sched_getaffinity(0))
+    pin_process([core])
+    assert os.sched_getaffinity(0) == {core}
+    for thread_id in os.listdir("/proc/self/task"):
+        assert os.sched_getaffinity(int(thread_id)) == {core}
+    assert torch.get_num_threads() == 1
+
+
+def test_pin_process_rejects_cores_outside_the_mask(restore_affinity_and_threads):
+    before = os.sched_getaffinity(0)
+    with pytest.raises(ConfigError, match=r"^cpus: "):
+        pin_process([min(before), max(before) + 1000])
+
+
+def test_apply_cpus_empty_keeps_the_mask_and_uses_one_thread_per_core(restore_affinity_and_threads, caplog):
+    current = sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(len(current) + 3)
+    with caplog.at_level(logging.INFO, logger="distserve.cpus"):
+        assert apply_cpus("") == current
+    assert sorted(os.sched_getaffinity(0)) == current and torch.get_num_threads() == len(current)
+    assert f"torch threads {len(current)}" in caplog.text
+
+
+def test_apply_cpus_pins_and_logs(restore_affinity_and_threads, caplog):
+    core = min(os.sched_getaffinity(0))
+    with caplog.at_level(logging.INFO, logger="distserve.cpus"):
+        assert apply_cpus(str(core)) == [core]
+    assert os.sched_getaffinity(0) == {core}
+    assert f"pinned to cores [{core}], torch threads 1" in caplog.text
+
+
+# --- worker configs ----------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("DISTSERVE_")]:
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("cls, prefix", [(PrefillConfig, "DISTSERVE_PREFILL_"), (DecodeConfig, "DISTSERVE_DECODE_")])
+def test_worker_cpus_setting_by_flag_and_env(clean_env, cls, prefix):
+    assert parse_config(cls, [], prefix).cpus == ""
+    assert parse_config(cls, ["--cpus", "0,2-3"], prefix).cpus == "0,2-3"
+    clean_env.setenv(prefix + "CPUS", "1")
+    assert parse_config(cls, [], prefix).cpus == "1"
+    assert parse_config(cls, ["--cpus", "2-3"], prefix).cpus == "2-3"
+
+
+@pytest.mark.parametrize("cls", [PrefillConfig, DecodeConfig])
+def test_worker_config_rejects_bad_cpus_naming_the_field(cls):
+    for bad in ("x", "2-1", "0,"):
+        with pytest.raises(ConfigError, match=r"^cpus: "):
+            cls(cpus=bad)
+
+
+@pytest.mark.parametrize("cls, prefix", [(PrefillConfig, "DISTSERVE_PREFILL_"), (DecodeConfig, "DISTSERVE_DECODE_")])
+def test_worker_help_lists_cpus(cls, prefix, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(cls, ["--help"], prefix)
+    help_text = capsys.readouterr().out
+    assert "--cpus" in help_text and prefix + "CPUS" in help_text
