@@ -23,7 +23,7 @@ from benchmarks.results_io import write_results
 
 
 def _sender(sizes_mb: list[int], port_queue, stop_event) -> None:
-    from distserve.transfer.ucx_transfer import KvSender
+    from distserve.transfer.ucx_transfer import KvSender, stop_ucx
 
     buffers = {f"h{mb}": torch.ones(mb * 1024 * 1024 // 4, dtype=torch.float32) for mb in sizes_mb}
 
@@ -33,12 +33,13 @@ def _sender(sizes_mb: list[int], port_queue, stop_event) -> None:
         while not stop_event.is_set():
             await asyncio.sleep(0.05)
         sender.stop()
+        stop_ucx()
 
     asyncio.run(main())
 
 
 async def _receive(port: int, sizes_mb: list[int], repeats: int) -> dict:
-    from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
+    from distserve.transfer.ucx_transfer import KvReceiver, init_ucx, stop_ucx
 
     init_ucx()  # as a decode worker does at start-up
     receiver = KvReceiver()
@@ -55,6 +56,7 @@ async def _receive(port: int, sizes_mb: list[int], repeats: int) -> dict:
                      "median_gbps": mb * 1024 * 1024 / statistics.median(seconds) / 1e9,
                      "best_gbps": mb * 1024 * 1024 / best / 1e9})
     await receiver.close()
+    stop_ucx()
     results["rows"] = rows
     return results
 

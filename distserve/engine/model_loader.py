@@ -20,8 +20,22 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
+def load_engine_model(path: str, dtype: str, device: str):
+    """Our own forward (distserve.engine.model) with the folder's weights: what the workers serve."""
+    from transformers import AutoConfig
+
+    from distserve.engine.model import LlamaModel, rope_tables
+    from distserve.engine.weights import ModelArgs, load_weights
+
+    config = AutoConfig.from_pretrained(path)
+    args = ModelArgs.from_config(config)
+    torch_dtype = DTYPES[dtype]
+    cos, sin = rope_tables(config, config.max_position_embeddings, torch_dtype, device)
+    return LlamaModel(args, load_weights(path, args, torch_dtype, device), cos, sin)
+
+
 def load_model(path: str, dtype: str, device: str):
-    """Loads the weights for inference. SDPA attention keeps CPU and CUDA on one path."""
+    """Loads the transformers model: the reference our engine is tested against."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(

@@ -1,89 +1,73 @@
-"""Runs a Hugging Face causal LM for serving: batched prefill and paged decode steps.
+"""Runs our Llama-family forward for serving: packed (chunked) prefill and paged decode steps.
 
-The model's own forward (any Llama/Qwen2/Mistral-family module) does the maths;
-the runner only shapes batches and moves KV between the model's cache object and
-our storage. Decode gathers each sequence's blocks into a left-padded batch,
-which keeps correctness on the model's code path for every architecture; a fused
-paged-attention kernel can replace the gather later without changing callers.
+The runner turns Python lists (token ids, block tables) into the tensors the model reads, on the
+model's device, and hands back float32 logits on the CPU. It holds no per-request state.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from transformers import DynamicCache
 
 from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.model import LlamaModel, PrefillChunk
 
 
-def _layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    entry = cache.layers[layer]
-    return entry.keys, entry.values
+@dataclasses.dataclass
+class PrefillWork:
+    """One prompt's chunk in a prefill batch."""
+
+    token_ids: list[int]  # this chunk's tokens
+    position: int  # position of token_ids[0] in the prompt
+    kv: torch.Tensor  # the prompt's KV buffer [L, 2, T_prompt, Hkv, D]
+    is_last: bool  # the chunk ends the prompt: its last token's logits are wanted
 
 
 class ModelRunner:
-    """Owns the model; every method runs under inference mode and is thread-agnostic."""
+    """Owns the model; thread-agnostic (the engines run it in a worker thread)."""
 
-    def __init__(self, model, device: str):
+    def __init__(self, model: LlamaModel):
         self.model = model
-        self.device = torch.device(device)
+        self.device = model.device
 
-    @torch.inference_mode()
+    def new_kv_buffer(self, num_tokens: int) -> torch.Tensor:
+        """An uninitialised prompt KV buffer [L, 2, T, Hkv, D]; prefill fills every element."""
+        a = self.model.args
+        return torch.empty((a.num_layers, 2, num_tokens, a.num_kv_heads, a.head_dim),
+                           dtype=self.model.dtype, device=self.device)
+
+    def prefill_chunks(self, works: list[PrefillWork]) -> torch.Tensor:
+        """One packed forward over every chunk. Returns float32 logits [num last chunks, V] on the
+        CPU, in the order of the works whose is_last is set."""
+        ids, positions, chunks, rows = [], [], [], []
+        for work in works:
+            start, n = len(ids), len(work.token_ids)
+            ids += work.token_ids
+            positions += range(work.position, work.position + n)
+            chunks.append(PrefillChunk(start, n, work.position, work.kv))
+            if work.is_last:
+                rows.append(start + n - 1)
+        logits = self.model.prefill(torch.tensor(ids, device=self.device),
+                                    torch.tensor(positions, device=self.device), chunks, rows)
+        return logits.cpu()
+
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Runs prompts as one right-padded batch.
+        """Whole prompts in one packed batch: last-token logits [B, V] and each prompt's KV
+        [L, 2, T_i, Hkv, D] (token-major, the layout that is sent)."""
+        kvs = [self.new_kv_buffer(len(p)) for p in prompts]
+        logits = self.prefill_chunks([PrefillWork(p, 0, kv, True) for p, kv in zip(prompts, kvs)])
+        return logits, kvs
 
-        Right padding keeps every real token's attention exact under the causal
-        mask alone (padding only ever comes after real tokens).
-        Returns last-token logits [B, V] (float32) and, per prompt, its KV on the
-        CPU as one contiguous tensor [L, 2, H, T_i, D].
+    def decode(self, kv_cache: PagedKvCache, tables: list[list[int]], context_lens: list[int],
+               input_ids: list[int]) -> torch.Tensor:
+        """One decode step: feeds input_ids[b] at position context_lens[b], writing its KV in place.
+
+        tables[b] must cover context_lens[b] + 1 tokens. Returns next-token logits [B, V] (float32, CPU).
         """
-        max_len = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), max_len), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = torch.tensor(p)
-        cache = DynamicCache()
-        out = self.model(input_ids=ids.to(self.device), cache=cache, use_cache=True)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        logits = out.logits[torch.arange(len(prompts), device=self.device), last].float()
-        num_layers = len(cache.layers)
-        # stacked: [L, 2, B, H, T, D]
-        stacked = torch.stack(
-            [torch.stack(_layer_kv(cache, i)) for i in range(num_layers)]
-        )
-        kvs = [stacked[:, :, b, :, : len(p)].to("cpu").contiguous() for b, p in enumerate(prompts)]
-        return logits.cpu(), kvs
-
-    @torch.inference_mode()
-    def decode(
-        self,
-        kv_cache: PagedKvCache,
-        tables: list[list[int]],
-        context_lens: list[int],
-        input_ids: list[int],
-    ) -> torch.Tensor:
-        """One decode step for a batch: feeds input_ids[b] at position context_lens[b].
-
-        Reads the past from the paged cache, writes the new token's KV back into
-        it, and returns next-token logits [B, V] (float32, CPU).
-        """
-        batch = len(tables)
-        max_len = max(context_lens)
-        past = kv_cache.gather(tables, context_lens)  # [L, 2, B, H, max_len, D]
-        cache = DynamicCache()
-        for layer in range(past.shape[0]):
-            cache.update(past[layer, 0], past[layer, 1], layer)
-        # mask: [B, max_len + 1]; left padding is 0, real past and the new token 1.
-        mask = torch.zeros((batch, max_len + 1), dtype=torch.long, device=self.device)
-        for b, n in enumerate(context_lens):
-            mask[b, max_len - n :] = 1
-        out = self.model(
-            input_ids=torch.tensor(input_ids, device=self.device).unsqueeze(1),
-            attention_mask=mask,
-            position_ids=torch.tensor(context_lens, device=self.device).unsqueeze(1),
-            cache=cache,
-            use_cache=True,
-        )
-        new_kv = torch.stack(
-            [torch.stack([k[:, :, -1], v[:, :, -1]]) for k, v in (_layer_kv(cache, i) for i in range(past.shape[0]))]
-        )  # [L, 2, B, H, D]
-        kv_cache.write_tokens(tables, context_lens, new_kv)
-        return out.logits[:, -1].float().cpu()
+        positions = torch.tensor(context_lens, device=self.device)
+        block_tables = kv_cache.block_table_tensor(tables, [n + 1 for n in context_lens])
+        slots = kv_cache.slot_tensor(tables, context_lens)
+        logits = self.model.decode(torch.tensor(input_ids, device=self.device), positions, kv_cache,
+                                   block_tables, slots)
+        return logits.cpu()

@@ -14,7 +14,6 @@ re-created after an error.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from distserve import tracing
+from distserve.transfer.connector import TransferCounters, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,10 @@ def _transfer_attributes(num_bytes: int, seconds: float) -> dict:
 
 # UCX settings applied unless the environment sets them. put_zcopy rendezvous measured 1.0-1.7 GB/s
 # against 0.55-0.72 GB/s for UCX's default on 64 MiB loopback pulls (benchmarks/ucx_bandwidth.py).
-UCX_DEFAULTS = {"UCX_RNDV_SCHEME": "put_zcopy", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+# UCXPY_ENABLE_PYTHON_FUTURE: without it ucxx completes every pending request by polling the event
+# loop (`await asyncio.sleep(0)` in a loop), so a prefill worker with an idle pre-connected endpoint
+# spun its core at 100% and starved its own forward pass; with it a notifier thread wakes the loop.
+UCX_DEFAULTS = {"UCX_RNDV_SCHEME": "put_zcopy", "UCX_WARN_UNUSED_ENV_VARS": "n", "UCXPY_ENABLE_PYTHON_FUTURE": "1"}
 
 
 def _ucxx():
@@ -77,15 +80,16 @@ def init_ucx() -> None:
         _initialized = True
 
 
+def stop_ucx() -> None:
+    """Stops ucxx's notifier thread, a non-daemon thread: a process that loaded UCX calls this as it
+    ends, after its last transfer, or its interpreter waits for that thread forever. Idempotent."""
+    if _initialized:
+        _ucxx().stop_notifier_thread()
+
+
 def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a contiguous CPU tensor, for any dtype (bf16 included)."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-@dataclasses.dataclass
-class TransferCounters:
-    num_transfers: int = 0
-    num_bytes: int = 0
 
 
 class KvSender:
@@ -103,6 +107,7 @@ class KvSender:
         self.counters = TransferCounters()
 
     def start(self, port: int = 0) -> int:
+        init_ucx()
         self._listener = _ucxx().create_listener(self._serve_endpoint, port=port)
         return self._listener.port
 
@@ -148,10 +153,6 @@ class KvSender:
         self.counters.num_transfers += 1
         self.counters.num_bytes += data.nbytes
         self._on_sent(handle_id, data.nbytes, seconds)
-
-
-class TransferError(RuntimeError):
-    """The KV could not be fetched; the request cannot continue on this path."""
 
 
 class KvReceiver:

@@ -14,20 +14,21 @@ from distserve.config import parse_config
 from distserve.cpus import apply_cpus
 from distserve.engine.dtype import resolve_dtype
 from distserve.engine.kv_cache import PagedKvCache
-from distserve.engine.model_loader import load_model, resolve_model_path
+from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import DTYPES, ModelSpec
+from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
 from distserve.grpc_server import ChannelPool, Service
 from distserve.logs import setup_logging
 from distserve.metrics import DecodeMetrics, serve_metrics
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.worker_lifecycle import serve_worker
 from distserve.registry import WorkerRecord, WorkerRegistry
-from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
+from distserve.transfer import connector
+from distserve.transfer.connector import KvConsumer
 from distserve.v1 import decode_pb2_grpc
 from services.decode.config import DecodeConfig
-from services.decode.engine import DecodeEngine
-from services.decode.scheduler import DecodeScheduler
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.decode_scheduler import DecodeScheduler
 from services.decode.server import DecodeServicer
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,11 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec) -> DecodeEngine:
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
                             dtype, config.device)
     scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
-    return DecodeEngine(ModelRunner(model, config.device), kv_cache, scheduler, spec.eos_token_ids,
+    return DecodeEngine(ModelRunner(model), kv_cache, scheduler, spec.eos_token_ids,
                         spec.max_context)
 
 
-async def preconnect(registry: WorkerRegistry, receiver: KvReceiver, interval_s: float) -> None:
+async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:
     """Keeps UCX endpoints open to every registered prefill worker, so no request pays set-up."""
     while True:
         try:
@@ -59,12 +60,11 @@ async def preconnect(registry: WorkerRegistry, receiver: KvReceiver, interval_s:
 
 async def serve(config: DecodeConfig) -> None:
     path = resolve_model_path(config.model)
-    model = load_model(path, config.dtype, config.device)
-    spec = ModelSpec.from_config(model.config, model.generation_config)
+    model = load_engine_model(path, config.dtype, config.device)
+    spec = load_model_spec(path)
     engine = build_engine(config, model, spec)
     metrics = DecodeMetrics()
-    init_ucx()
-    receiver = KvReceiver()
+    receiver = connector.make_consumer("ucx")
     redis = aioredis.from_url(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool()
@@ -92,6 +92,7 @@ async def serve(config: DecodeConfig) -> None:
                            config.grace_s, config.drain_s)
     finally:
         await receiver.close()
+        connector.shutdown("ucx")
         await channels.close()
         await redis.aclose()
         shutdown_tracing()

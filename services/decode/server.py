@@ -14,11 +14,11 @@ from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
 from distserve.engine.model_spec import DTYPES, ModelSpec
 from distserve.metrics import DecodeMetrics
-from distserve.transfer.ucx_transfer import KvReceiver, TransferError
+from distserve.transfer.connector import KvConsumer, TransferError
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
 from services.decode.config import DecodeConfig
-from services.decode.engine import DecodeEngine
-from services.decode.sequence import Sequence
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def layout_error(layout: common_pb2.KvLayout, spec: ModelSpec, dtype: str, promp
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, config: DecodeConfig, spec: ModelSpec, engine: DecodeEngine, receiver: KvReceiver,
+    def __init__(self, config: DecodeConfig, spec: ModelSpec, engine: DecodeEngine, receiver: KvConsumer,
                  broker: BrokerClient, metrics: DecodeMetrics):
         self._config = config
         self._spec = spec
@@ -122,7 +122,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, context) -> float:
         layout = handle.layout
-        staging = torch.empty((layout.num_layers, 2, layout.num_kv_heads, layout.num_tokens, layout.head_dim),
+        staging = torch.empty((layout.num_layers, 2, layout.num_tokens, layout.num_kv_heads, layout.head_dim),
                               dtype=DTYPES[layout.dtype])
         try:
             transfer_s = await self._receiver.fetch(handle.owner_ucx_address, handle.handle_id, staging,

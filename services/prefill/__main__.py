@@ -13,19 +13,19 @@ from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
 from distserve.engine.dtype import resolve_dtype
-from distserve.engine.model_loader import load_model, resolve_model_path
+from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import ModelSpec
+from distserve.engine.model_spec import load_model_spec
 from distserve.grpc_server import ChannelPool, Service
 from distserve.logs import setup_logging
 from distserve.metrics import PrefillMetrics, serve_metrics
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.worker_lifecycle import serve_worker
 from distserve.registry import WorkerRecord, WorkerRegistry
-from distserve.transfer.ucx_transfer import KvSender
+from distserve.transfer import connector
 from distserve.v1 import prefill_pb2_grpc
 from services.kvbroker.store import release_channel
-from services.prefill.batcher import PrefillBatcher
+from distserve.engine.prefill_batcher import PrefillBatcher
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 from services.prefill.server import PrefillServicer
@@ -52,9 +52,9 @@ async def follow_releases(redis: aioredis.Redis, worker_id: str, held: HeldKv) -
 
 async def serve(config: PrefillConfig) -> None:
     path = resolve_model_path(config.model)
-    model = load_model(path, config.dtype, config.device)
-    spec = ModelSpec.from_config(model.config, model.generation_config)
-    batcher = PrefillBatcher(ModelRunner(model, config.device), spec.eos_token_ids, spec.max_context,
+    model = load_engine_model(path, config.dtype, config.device)
+    spec = load_model_spec(path)
+    batcher = PrefillBatcher(ModelRunner(model), spec.eos_token_ids, spec.max_context,
                              config.max_batch_tokens)
     held = HeldKv()
     metrics = PrefillMetrics()
@@ -64,7 +64,7 @@ async def serve(config: PrefillConfig) -> None:
         metrics.kv_transfer_bytes.inc(num_bytes)
         metrics.kv_transfer_time.observe(seconds)
 
-    sender = KvSender(lookup=held.lookup, on_sent=on_sent)
+    sender = connector.make_producer("ucx", held.lookup, on_sent)
     ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
     redis = aioredis.from_url(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
@@ -93,6 +93,7 @@ async def serve(config: PrefillConfig) -> None:
                            config.grace_s, config.drain_s)
     finally:
         sender.stop()
+        connector.shutdown("ucx")
         await channels.close()
         await redis.aclose()
         shutdown_tracing()

@@ -14,9 +14,9 @@ from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
 from distserve.engine.model_spec import ModelSpec
 from distserve.metrics import PrefillMetrics
-from distserve.transfer.ucx_transfer import KvSender
+from distserve.transfer.connector import KvProducer
 from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
-from services.prefill.batcher import PrefillBatcher, PrefillResult
+from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 
@@ -40,7 +40,7 @@ def prompt_error(tokens, spec: ModelSpec) -> str | None:
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, config: PrefillConfig, spec: ModelSpec, dtype_name: str, batcher: PrefillBatcher,
-                 held: HeldKv, sender: KvSender, broker: BrokerClient,
+                 held: HeldKv, sender: KvProducer, broker: BrokerClient,
                  ucx_address: str, metrics: PrefillMetrics):
         self._config = config
         self._spec = spec
@@ -80,7 +80,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Stage spans, metrics and the log line for one finished prefill."""
         tracing.record_span("queue", rid, result.enqueued_ns, result.forward_start_ns)
         tracing.record_span("forward", rid, result.forward_start_ns, result.forward_end_ns, **{
-            "distserve.batch.size": result.batch_size, "distserve.batch.padded_tokens": result.batch_tokens})
+            "distserve.batch.size": result.batch_size, "distserve.batch.tokens": result.batch_tokens,
+            "distserve.prefill.chunks": result.num_chunks})
         tracing.record_span("first_token", rid, result.forward_end_ns, result.sampled_ns, **{
             "distserve.token_id": result.first_token})
         self._metrics.queue_time.observe(result.queue_s)

@@ -93,3 +93,12 @@ def system_is_clean_after(cluster):
         if time.monotonic() > deadline:
             raise AssertionError(f"system not clean after test: {state}")
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ucx_stopped_at_exit():
+    """Tests that move KV in this process stop ucxx's notifier thread at the end, so pytest can exit."""
+    yield
+    from distserve.transfer import connector
+
+    connector.shutdown("ucx")

@@ -40,7 +40,7 @@ async def test_pull_after_a_cancelled_pull_gets_its_own_bytes(cancel_after_yield
 
 
 async def test_unknown_handle_is_a_transfer_error_and_the_endpoint_recovers():
-    from distserve.transfer.ucx_transfer import TransferError
+    from distserve.transfer.connector import TransferError
 
     init_ucx()
     held = {"B": torch.full(SHAPE, 3.0)}

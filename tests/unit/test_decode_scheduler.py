@@ -6,7 +6,7 @@ import pytest
 
 from distserve.engine.kv_cache import BlockAllocator
 from distserve.engine.sampling import FinishReason
-from services.decode.scheduler import DecodeScheduler
+from distserve.engine.decode_scheduler import DecodeScheduler
 from tests.builders import decode_sequence
 
 BLOCK_SIZE = 4

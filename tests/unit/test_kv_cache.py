@@ -65,7 +65,7 @@ def test_freed_blocks_can_be_allocated_again():
     assert not set(again) & set(b)
 
 
-def test_write_prompt_then_gather_round_trips_left_padded():
+def test_write_prompt_then_gather_round_trips_right_padded():
     cache = make_cache()
     lengths = [1, 4, 5, 11]  # partial block, exactly one block, spill by one, several blocks
     tables = shuffled_tables(cache, [blocks_needed(n, BLOCK_SIZE) + 1 for n in lengths])
@@ -76,10 +76,10 @@ def test_write_prompt_then_gather_round_trips_left_padded():
     out = cache.gather(tables, lengths)
 
     max_len = max(lengths)
-    assert out.shape == (SPEC.num_layers, 2, len(lengths), SPEC.num_kv_heads, max_len, SPEC.head_dim)
+    assert out.shape == (SPEC.num_layers, 2, len(lengths), max_len, SPEC.num_kv_heads, SPEC.head_dim)
     for b, (kv, n) in enumerate(zip(kvs, lengths)):
-        assert torch.equal(out[:, :, b, :, max_len - n:], kv)
-        assert torch.count_nonzero(out[:, :, b, :, : max_len - n]) == 0
+        assert torch.equal(out[:, :, b, :n], kv)
+        assert torch.count_nonzero(out[:, :, b, n:]) == 0
 
 
 def test_gather_of_a_subset_and_shorter_length():
@@ -88,28 +88,38 @@ def test_gather_of_a_subset_and_shorter_length():
     (table,) = shuffled_tables(cache, [3])
     cache.write_prompt(table, kv)
     out = cache.gather([table], [6])
-    assert torch.equal(out[:, :, 0], kv[:, :, :, :6])
+    assert torch.equal(out[:, :, 0], kv[:, :, :6])
 
 
-def test_write_tokens_appends_across_block_boundaries():
+def test_write_slots_appends_across_block_boundaries():
     cache = make_cache()
     prompt_lens, num_new = [3, 4, 7], 6
     tables = shuffled_tables(cache, [blocks_needed(n + num_new, BLOCK_SIZE) for n in prompt_lens])
     expected = [random_kv(n + num_new, SPEC, seed=10 + i) for i, n in enumerate(prompt_lens)]
     for table, kv, n in zip(tables, expected, prompt_lens):
-        cache.write_prompt(table, kv[:, :, :, :n])
+        cache.write_prompt(table, kv[:, :, :n])
 
     for step in range(num_new):
         positions = [n + step for n in prompt_lens]
-        # new: [L, 2, B, H, D]
-        new = torch.stack([kv[:, :, :, p] for kv, p in zip(expected, positions)], dim=2)
-        cache.write_tokens(tables, positions, new)
+        slots = cache.slot_tensor(tables, positions)
+        for layer in range(SPEC.num_layers):
+            # k, v: [B, H, D]
+            k = torch.stack([kv[layer, 0, p] for kv, p in zip(expected, positions)])
+            v = torch.stack([kv[layer, 1, p] for kv, p in zip(expected, positions)])
+            cache.write_slots(layer, slots, k, v)
 
     lengths = [n + num_new for n in prompt_lens]
     out = cache.gather(tables, lengths)
-    max_len = max(lengths)
     for b, (kv, n) in enumerate(zip(expected, lengths)):
-        assert torch.equal(out[:, :, b, :, max_len - n:], kv)
+        assert torch.equal(out[:, :, b, :n], kv)
+
+
+def test_block_table_tensor_pads_with_the_zero_pad_block():
+    cache = make_cache()
+    tables = shuffled_tables(cache, [3, 1])
+    got = cache.block_table_tensor(tables, [9, 2])  # 9 tokens need 3 blocks, 2 need 1
+    assert got.tolist() == [tables[0], tables[1] + [cache.pad_block] * 2]
+    assert torch.count_nonzero(cache.layer(0)[:, cache.pad_block]) == 0
 
 
 def test_sequences_do_not_overwrite_each_other():
@@ -118,6 +128,8 @@ def test_sequences_do_not_overwrite_each_other():
     first, second = random_kv(8, SPEC, seed=1), random_kv(8, SPEC, seed=2)
     cache.write_prompt(tables[0], first)
     cache.write_prompt(tables[1], second)
-    cache.write_tokens([tables[1]], [7], torch.zeros(SPEC.num_layers, 2, 1, SPEC.num_kv_heads, SPEC.head_dim))
+    zeros = torch.zeros(1, SPEC.num_kv_heads, SPEC.head_dim)
+    for layer in range(SPEC.num_layers):
+        cache.write_slots(layer, cache.slot_tensor([tables[1]], [7]), zeros, zeros)
     assert torch.equal(cache.gather([tables[0]], [8])[:, :, 0], first)
-    assert torch.count_nonzero(cache.gather([tables[1]], [8])[:, :, 0, :, 7]) == 0
+    assert torch.count_nonzero(cache.gather([tables[1]], [8])[:, :, 0, 7]) == 0

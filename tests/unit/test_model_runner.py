@@ -1,4 +1,4 @@
-"""ModelRunner on the real tiny model: batched prefill plus paged decode equals transformers' generate."""
+"""ModelRunner (our own forward) on the real tiny model: packed prefill plus paged decode equals transformers' generate."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distserve.engine.kv_cache import PagedKvCache, blocks_needed
-from distserve.engine.model_loader import load_model
+from distserve.engine.model_loader import load_engine_model, load_model
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import load_model_spec
 from tests.builders import compare_with_tolerance, reference_generate
@@ -26,8 +26,8 @@ def spec(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def runner(model):
-    return ModelRunner(model, "cpu")
+def runner(tiny_model_path):
+    return ModelRunner(load_engine_model(tiny_model_path, "float32", "cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +64,12 @@ def test_prefill_returns_last_token_logits_and_per_prompt_kv(runner, spec, promp
     assert logits.shape == (len(prompts), spec.vocab_size) and logits.dtype == torch.float32
     assert len(kvs) == len(prompts)
     for prompt, kv in zip(prompts, kvs):
-        assert kv.shape == (spec.num_layers, 2, spec.num_kv_heads, len(prompt), spec.head_dim)
+        assert kv.shape == (spec.num_layers, 2, len(prompt), spec.num_kv_heads, spec.head_dim)
         assert kv.device.type == "cpu" and kv.is_contiguous()
 
 
 def test_batched_prefill_equals_prefill_alone(runner, prompts):
-    """Right padding must not change any real token's logits or KV."""
+    """Packing prompts together must not change any prompt's logits or KV."""
     logits, kvs = runner.prefill(prompts)
     for b, prompt in enumerate(prompts):
         alone_logits, (alone_kv,) = runner.prefill([prompt])

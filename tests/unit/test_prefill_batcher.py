@@ -1,4 +1,4 @@
-"""PrefillBatcher: batches under the padded-token budget, in arrival order, and the run loop."""
+"""PrefillBatcher: packed, chunked batches under the token budget, without starvation, and the run loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from distserve.engine.sampling import FinishReason, SamplingParams
-from services.prefill.batcher import PrefillBatcher
+from distserve.engine.model_runner import PrefillWork
+from distserve.engine.prefill_batcher import MAX_SKIPS, PrefillBatcher
 
 EOS = 1
 VOCAB = 64
@@ -17,22 +18,27 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 class FakeRunner:
-    """prefill() predicts token prompt[0] + 1 for each prompt; KV is [1, 2, 1, T, 1]."""
+    """Predicts token t + 1 for a prompt of tag t; fills the KV buffer [1, 2, T, 1, 1] with the tag."""
 
     def __init__(self, fail_first: bool = False):
-        self.batches: list[list[list[int]]] = []
+        self.batches: list[list[PrefillWork]] = []
         self._fail_next = fail_first
 
-    def prefill(self, prompts):
-        self.batches.append(prompts)
+    def new_kv_buffer(self, num_tokens: int) -> torch.Tensor:
+        return torch.full((1, 2, num_tokens, 1, 1), -1.0)
+
+    def prefill_chunks(self, works: list[PrefillWork]) -> torch.Tensor:
+        self.batches.append(works)
         if self._fail_next:
             self._fail_next = False
             raise RuntimeError("forward failed")
-        logits = torch.zeros(len(prompts), VOCAB)
-        for b, prompt in enumerate(prompts):
-            logits[b, prompt[0] + 1] = 10.0
-        kvs = [torch.full((1, 2, 1, len(p), 1), float(p[0])) for p in prompts]
-        return logits, kvs
+        for work in works:
+            work.kv[:, :, work.position:work.position + len(work.token_ids)] = float(work.token_ids[0])
+        last = [w for w in works if w.is_last]
+        logits = torch.zeros(len(last), VOCAB)
+        for row, work in enumerate(last):
+            logits[row, work.token_ids[0] + 1] = 10.0
+        return logits
 
 
 def make_batcher(runner=None, budget: int = BUDGET) -> PrefillBatcher:
@@ -57,25 +63,54 @@ async def cancel_all(tasks) -> None:
 
 
 def tags(batch) -> list[int]:
-    return [p.prompt[0] for p in batch]
+    return [s.pending.prompt[0] for s in batch]
+
+
+def take_and_account(batcher: PrefillBatcher) -> list[tuple[int, int]]:
+    """Takes a batch and marks its tokens computed, as a forward would: [(tag, tokens)]."""
+    batch = batcher._take_batch()
+    for piece in batch:
+        piece.pending.num_computed += piece.num_tokens
+    return [(s.pending.prompt[0], s.num_tokens) for s in batch]
 
 
 @pytest.mark.parametrize("lengths, expected_batches", [
-    ([4, 4, 4, 4, 4], [[10, 11, 12, 13], [14]]),  # 4 x 4 = 16 fits, a fifth does not
-    ([2, 8, 2], [[10, 11], [12]]),  # longest 8 x 3 = 24 > 16
-    ([20, 2], [[10], [11]]),  # over budget: runs alone
-    ([2, 20, 2], [[10], [11], [12]]),  # the later short prompt does not jump the long one
-    ([1] * 20, [[10 + i for i in range(16)], [26, 27, 28, 29]]),
+    ([4, 4, 4, 4, 4], [[(10, 4), (11, 4), (12, 4), (13, 4)], [(14, 4)]]),  # 16 packed tokens fit, not 20
+    ([2, 8, 2], [[(10, 2), (11, 8), (12, 2)]]),  # packed, no padding: 12 tokens
+    ([20, 2], [[(10, 14), (11, 2)], [(10, 6)]]),  # the long one is chunked; the short one is not stalled
+    ([2, 20, 2], [[(10, 2), (11, 12), (12, 2)], [(11, 8)]]),
+    ([1] * 20, [[(10 + i, 1) for i in range(16)], [(26, 1), (27, 1), (28, 1), (29, 1)]]),
 ])
-async def test_take_batch_respects_the_padded_token_budget_in_arrival_order(lengths, expected_batches):
+async def test_take_batch_packs_and_chunks_under_the_token_budget(lengths, expected_batches):
     batcher = make_batcher()
     tasks = await enqueue(batcher, lengths)
     try:
         assert batcher.num_waiting == len(lengths) and batcher.outstanding_tokens == sum(lengths)
-        assert [tags(batcher._take_batch()) for _ in expected_batches] == expected_batches
+        assert [take_and_account(batcher) for _ in expected_batches] == expected_batches
         assert batcher._take_batch() == [] and batcher.num_waiting == 0
     finally:
         await cancel_all(tasks)
+
+
+async def test_a_long_prompt_skipped_max_skips_times_goes_first():
+    batcher = make_batcher()
+    tasks = await enqueue(batcher, [30] + [BUDGET] * (MAX_SKIPS + 2))
+    try:
+        skipped = [take_and_account(batcher) for _ in range(MAX_SKIPS)]
+        assert skipped == [[(11 + i, BUDGET)] for i in range(MAX_SKIPS)]  # short prompts that fit go first
+        assert take_and_account(batcher) == [(10, BUDGET)]  # then the starving one takes the budget
+    finally:
+        await cancel_all(tasks)
+
+
+async def test_a_chunked_prompt_gets_its_whole_kv_and_one_answer():
+    runner = FakeRunner()
+    batcher = make_batcher(runner)
+    (result,) = await run_batcher(batcher, [(prompt(7, 40), GREEDY)])
+    assert result.first_token == 8 and result.num_chunks == 3
+    assert [[len(w.token_ids) for w in batch] for batch in runner.batches] == [[16], [16], [8]]
+    assert [w.position for batch in runner.batches for w in batch] == [0, 16, 32]
+    assert result.kv.shape == (1, 2, 40, 1, 1) and bool((result.kv == 7).all())
 
 
 async def test_cancelled_submissions_are_skipped():
@@ -84,8 +119,7 @@ async def test_cancelled_submissions_are_skipped():
     tasks[1].cancel()
     await asyncio.sleep(0)
     try:
-        assert tags(batcher._take_batch()) == [10, 12]  # 8 x 3 would not fit
-        assert tags(batcher._take_batch()) == [13]
+        assert tags(batcher._take_batch()) == [10, 12, 13]  # 4 + 4 + 8 = 16 packed tokens
     finally:
         await cancel_all(tasks)
 
@@ -107,8 +141,8 @@ async def test_run_answers_every_submission_and_counts_batches():
     results = await run_batcher(batcher, [(prompt(10 + i, 4), GREEDY) for i in range(5)])
 
     assert [r.first_token for r in results] == [11, 12, 13, 14, 15]
-    assert [r.kv.shape for r in results] == [(1, 2, 1, 4, 1)] * 5
-    assert all(r.kv[0, 0, 0, 0, 0] == 10 + i for i, r in enumerate(results))
+    assert [r.kv.shape for r in results] == [(1, 2, 4, 1, 1)] * 5
+    assert all(bool((r.kv == 10 + i).all()) for i, r in enumerate(results))
     assert all(r.finish_reason is None and r.queue_s >= 0 and r.prefill_s >= 0 for r in results)
     assert [len(b) for b in runner.batches] == [4, 1]
     assert (batcher.num_batches, batcher.max_batch_size, batcher.num_running_tokens) == (2, 4, 0)

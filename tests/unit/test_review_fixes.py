@@ -10,8 +10,8 @@ import torch
 from distserve.engine.kv_cache import BlockAllocator
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import SamplingParams, sample_token
-from services.decode.engine import DecodeEngine
-from services.decode.scheduler import DecodeScheduler
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.decode_scheduler import DecodeScheduler
 
 
 def test_tiny_temperature_samples_greedily_instead_of_failing():

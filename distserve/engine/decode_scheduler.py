@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 
 from distserve.engine.kv_cache import BlockAllocator, blocks_needed
-from services.decode.sequence import Sequence
+from distserve.engine.sequence import Sequence
 
 
 class DecodeScheduler:

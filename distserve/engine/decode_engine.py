@@ -13,8 +13,8 @@ import time
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.sampling import banned_token_ids, finish_reason_for, sample_token
-from services.decode.scheduler import DecodeScheduler
-from services.decode.sequence import Sequence
+from distserve.engine.decode_scheduler import DecodeScheduler
+from distserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,13 @@ class DecodeEngine:
             self.kv_cache, [s.block_table for s in batch], [s.context_len for s in batch],
             [s.tokens[-1] for s in batch],
         )
+        greedy = logits.argmax(-1).tolist()  # one batched argmax serves every plain greedy sequence
         tokens: list[int | Exception] = []
         for b, seq in enumerate(batch):
             banned = banned_token_ids(seq.params, self._eos_ids, seq.num_generated)
+            if seq.params.is_greedy and not banned and not seq.params.has_penalties:
+                tokens.append(greedy[b])
+                continue
             try:
                 history = seq.tokens if seq.params.has_penalties else ()  # no per-step copies without penalties
                 tokens.append(sample_token(logits[b], seq.params, seq.num_generated, banned,

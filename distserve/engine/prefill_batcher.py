@@ -1,0 +1,192 @@
+"""Prefill batching: packed, chunked batches under a token budget.
+
+A prompt's lifecycle: waiting -> (one or more chunks) -> done. Each forward packs up to
+`max_batch_tokens` prompt tokens (the saturation length) with no padding:
+  1. in arrival order, every waiting prompt whose remaining tokens fit the budget left;
+  2. then the budget that is left goes, as chunks, to the prompts that did not fit.
+So one long prompt is prefilled in chunks beside short ones instead of stalling them, and a
+prompt skipped `MAX_SKIPS` times in a row goes first, so none starves. Each prompt's KV is
+written once, into its own buffer [L, 2, T, Hkv, D], which is what gets sent to decode.
+The forward runs in a worker thread so the event loop keeps serving gRPC and UCX meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import torch
+
+from distserve.engine.model_runner import ModelRunner, PrefillWork
+from distserve.engine.sampling import (
+    FinishReason,
+    SamplingParams,
+    banned_token_ids,
+    finish_reason_for,
+    sample_token,
+)
+
+MAX_SKIPS = 4
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    first_token: int
+    finish_reason: FinishReason | None
+    kv: torch.Tensor  # [L, 2, T, Hkv, D], token-major
+    queue_s: float
+    prefill_s: float  # first chunk's forward start -> last chunk's forward end
+    # wall-clock stage boundaries (ns) for tracing: enqueued -> forward start -> forward end -> sampled
+    enqueued_ns: int
+    forward_start_ns: int
+    forward_end_ns: int
+    sampled_ns: int
+    batch_size: int  # prompts in the last chunk's forward
+    batch_tokens: int  # packed tokens in the last chunk's forward
+    num_chunks: int
+
+
+@dataclasses.dataclass
+class _Pending:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    enqueued_at: float = dataclasses.field(default_factory=time.monotonic)
+    enqueued_ns: int = dataclasses.field(default_factory=time.time_ns)
+    kv: torch.Tensor | None = None  # allocated at the first chunk
+    num_computed: int = 0  # prompt tokens whose KV is in kv
+    num_chunks: int = 0
+    num_skipped: int = 0  # consecutive batches this prompt waited through
+    started_at: float = 0.0
+    started_ns: int = 0
+
+    @property
+    def num_remaining(self) -> int:
+        return len(self.prompt) - self.num_computed
+
+
+@dataclasses.dataclass
+class _Slice:
+    """num_tokens of a pending prompt's remaining tokens, scheduled into one forward."""
+
+    pending: _Pending
+    num_tokens: int
+    is_last: bool = False  # the slice ends its prompt
+
+    def __post_init__(self) -> None:
+        self.is_last = self.num_tokens == self.pending.num_remaining
+
+
+class PrefillBatcher:
+    def __init__(self, runner: ModelRunner, eos_ids: tuple[int, ...], max_context: int, max_batch_tokens: int):
+        self._runner = runner
+        self._eos_ids = eos_ids
+        self._max_context = max_context
+        self._max_batch_tokens = max_batch_tokens
+        self._waiting: list[_Pending] = []
+        self._wakeup = asyncio.Event()
+        self.num_batches = 0
+        self.max_batch_size = 0
+        self.num_running_tokens = 0
+        self.num_running = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return self.num_running_tokens + sum(p.num_remaining for p in self._waiting)
+
+    async def submit(self, prompt: list[int], params: SamplingParams) -> PrefillResult:
+        """Queues a prompt and waits for its result; cancelling drops it from the queue."""
+        pending = _Pending(prompt, params, asyncio.get_running_loop().create_future())
+        self._waiting.append(pending)
+        self._wakeup.set()
+        return await pending.future
+
+    def _take_batch(self) -> list[_Slice]:
+        """Picks the next forward's slices (see the module docstring); finished prompts leave the queue."""
+        self._waiting = [p for p in self._waiting if not p.future.done()]
+        order = sorted(self._waiting, key=lambda p: p.num_skipped < MAX_SKIPS)  # stable: starving first
+        budget, taken = self._max_batch_tokens, {}
+        for pending in order:  # whole prompts that fit; a starving one takes what it can
+            if pending.num_remaining <= budget or (pending.num_skipped >= MAX_SKIPS and budget):
+                taken[id(pending)] = _Slice(pending, min(pending.num_remaining, budget))
+                budget -= taken[id(pending)].num_tokens
+        for pending in order:  # the rest of the budget as chunks
+            if budget and id(pending) not in taken:
+                taken[id(pending)] = _Slice(pending, min(pending.num_remaining, budget))
+                budget -= taken[id(pending)].num_tokens
+        batch = [taken[id(p)] for p in self._waiting if id(p) in taken]
+        for pending in self._waiting:
+            pending.num_skipped = 0 if id(pending) in taken else pending.num_skipped + 1
+        self._waiting = [p for p in self._waiting if id(p) not in taken or not taken[id(p)].is_last]
+        return batch
+
+    async def run(self) -> None:
+        """The batching loop; runs until cancelled."""
+        while True:
+            await self._wakeup.wait()
+            batch = self._take_batch()
+            if not batch:
+                self._wakeup.clear()
+                continue
+            self.num_batches += 1
+            self.max_batch_size = max(self.max_batch_size, len(batch))
+            self.num_running_tokens = sum(s.num_tokens for s in batch)
+            self.num_running = len(batch)
+            try:
+                results = await asyncio.to_thread(self._forward, batch)
+            except Exception as exc:  # a failed forward fails its requests, not the worker
+                for piece in batch:
+                    self._fail(piece.pending, exc)
+                continue
+            finally:
+                self.num_running_tokens = self.num_running = 0
+            for piece, result in zip([s for s in batch if s.is_last], results):
+                if isinstance(result, Exception):
+                    self._fail(piece.pending, result)
+                elif not piece.pending.future.done():
+                    piece.pending.future.set_result(result)
+
+    def _fail(self, pending: _Pending, exc: Exception) -> None:
+        if pending in self._waiting:
+            self._waiting.remove(pending)
+        if not pending.future.done():
+            pending.future.set_exception(exc)
+
+    def _forward(self, batch: list[_Slice]) -> list[PrefillResult | Exception]:
+        """Runs the batch; returns a result (or that prompt's sampling error) per finishing prompt."""
+        started, start_ns = time.monotonic(), time.time_ns()
+        works = []
+        for piece in batch:
+            pending = piece.pending
+            if pending.kv is None:
+                pending.kv = self._runner.new_kv_buffer(len(pending.prompt))
+                pending.started_at, pending.started_ns = started, start_ns
+            begin = pending.num_computed
+            works.append(PrefillWork(pending.prompt[begin:begin + piece.num_tokens], begin, pending.kv, piece.is_last))
+        finishing = [s for s in batch if s.is_last]
+        logits = self._runner.prefill_chunks(works)
+        ended, end_ns = time.monotonic(), time.time_ns()
+        for piece in batch:
+            piece.pending.num_computed += piece.num_tokens
+            piece.pending.num_chunks += 1
+        num_tokens = sum(s.num_tokens for s in batch)
+        return [self._result(s.pending, logits[row], ended, end_ns, len(batch), num_tokens)
+                for row, s in enumerate(finishing)]
+
+    def _result(self, pending: _Pending, logits: torch.Tensor, ended: float, end_ns: int, batch_size: int,
+                batch_tokens: int) -> PrefillResult | Exception:
+        params = pending.params
+        try:
+            token = sample_token(logits, params, 0, banned_token_ids(params, self._eos_ids, 0),
+                                 prompt_token_ids=pending.prompt, output_token_ids=())
+        except Exception as exc:  # e.g. non-finite probabilities: fails this request only
+            return exc
+        finish = finish_reason_for(token, 1, len(pending.prompt) + 1, params, self._eos_ids, self._max_context)
+        return PrefillResult(token, finish, pending.kv, pending.started_at - pending.enqueued_at,
+                             ended - pending.started_at, pending.enqueued_ns, pending.started_ns, end_ns,
+                             time.time_ns(), batch_size, batch_tokens, pending.num_chunks)

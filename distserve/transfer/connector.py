@@ -1,0 +1,167 @@
+"""The KV connector seam: how a prompt's KV moves from the worker that prefilled it to the one that
+decodes it. Services see only these two roles; the transports behind them are chosen by name.
+
+Producer role (prefill side), `KvProducer`:
+    start(port) -> port   serve pulls; buffers come from `lookup(handle_id)` (the worker's held KV)
+    on_sent(handle_id, num_bytes, seconds) is called once the consumer has the bytes
+    stop()
+Consumer role (decode side), `KvConsumer`:
+    await fetch(address, handle_id, out, timeout_s, request_id) -> seconds   fills `out` or raises
+        TransferError; `out` is a contiguous tensor [L, 2, T, Hkv, D] of the handle's layout
+    await connect(address)   optional warm-up of a peer; peers: the connected addresses
+    await close()
+
+Connectors (`make_producer` / `make_consumer`):
+- "ucx": host-staged pulls over UCX (distserve.transfer.ucx_transfer), imported lazily so that
+  processes that never move KV never load UCX.
+- "local": in-process, for a colocated worker and for tests; fetch copies straight from the
+  producer's buffer.
+A CUDA (device-to-device) connector is another entry here.
+
+Per-layer sends were measured and left out: the transfer runs after the first token is returned,
+so it never adds to TTFT, and for 256-token prompts of the default model it takes 1-3 ms against a
+100-200 ms prefill (README "Engine").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable, Protocol
+
+import torch
+
+Lookup = Callable[[str], "torch.Tensor | None"]
+OnSent = Callable[[str, int, float], None]
+
+
+class TransferError(RuntimeError):
+    """The KV could not be fetched; the request cannot continue on this path."""
+
+
+@dataclasses.dataclass
+class TransferCounters:
+    num_transfers: int = 0
+    num_bytes: int = 0
+
+
+class KvProducer(Protocol):
+    counters: TransferCounters
+
+    def start(self, port: int = 0) -> int: ...
+
+    def stop(self) -> None: ...
+
+
+class KvConsumer(Protocol):
+    counters: TransferCounters
+
+    async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
+                    request_id: str = "") -> float: ...
+
+    async def connect(self, address: str) -> None: ...
+
+    @property
+    def peers(self) -> set[str]: ...
+
+    async def close(self) -> None: ...
+
+
+_local_producers: dict[int, "LocalProducer"] = {}
+_local_ports = itertools.count(1)
+
+
+class LocalProducer:
+    """Serves buffers to LocalConsumers in the same process, addressed as local:<port>."""
+
+    def __init__(self, lookup: Lookup, on_sent: OnSent):
+        self._lookup, self._on_sent = lookup, on_sent
+        self.counters = TransferCounters()
+        self.port = 0
+
+    def start(self, port: int = 0) -> int:
+        self.port = port or next(_local_ports)
+        _local_producers[self.port] = self
+        return self.port
+
+    def stop(self) -> None:
+        _local_producers.pop(self.port, None)
+
+    def send(self, handle_id: str, out: torch.Tensor) -> float:
+        started = time.perf_counter()
+        kv = self._lookup(handle_id)
+        if kv is None:
+            raise TransferError(f"{handle_id}: not held by local:{self.port}")
+        if kv.shape != out.shape or kv.dtype != out.dtype:
+            raise TransferError(f"{handle_id}: held {tuple(kv.shape)} {kv.dtype}, expected {tuple(out.shape)} "
+                                f"{out.dtype}")
+        out.copy_(kv)
+        seconds = time.perf_counter() - started
+        num_bytes = out.numel() * out.element_size()
+        self.counters.num_transfers += 1
+        self.counters.num_bytes += num_bytes
+        self._on_sent(handle_id, num_bytes, seconds)
+        return seconds
+
+
+class LocalConsumer:
+    """Pulls from LocalProducers of this process."""
+
+    def __init__(self) -> None:
+        self.counters = TransferCounters()
+
+    async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
+                    request_id: str = "") -> float:
+        producer = _local_producers.get(int(address.rpartition(":")[2]))
+        if producer is None:
+            raise TransferError(f"no local producer at {address}")
+        seconds = producer.send(handle_id, out)
+        self.counters.num_transfers += 1
+        self.counters.num_bytes += out.numel() * out.element_size()
+        return seconds
+
+    async def connect(self, address: str) -> None:
+        return None
+
+    @property
+    def peers(self) -> set[str]:
+        return {f"local:{port}" for port in _local_producers}
+
+    async def close(self) -> None:
+        return None
+
+
+CONNECTORS = ("ucx", "local")
+
+
+def make_producer(kind: str, lookup: Lookup, on_sent: OnSent) -> KvProducer:
+    """The producer role of connector `kind` (one of CONNECTORS)."""
+    if kind == "local":
+        return LocalProducer(lookup, on_sent)
+    if kind == "ucx":
+        from distserve.transfer.ucx_transfer import KvSender
+
+        return KvSender(lookup, on_sent)
+    raise ValueError(f"kv_connector: {kind!r} is not one of {CONNECTORS}")
+
+
+def make_consumer(kind: str) -> KvConsumer:
+    """The consumer role of connector `kind` (one of CONNECTORS)."""
+    if kind == "local":
+        return LocalConsumer()
+    if kind == "ucx":
+        from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
+
+        init_ucx()
+        return KvReceiver()
+    raise ValueError(f"kv_connector: {kind!r} is not one of {CONNECTORS}")
+
+
+def shutdown(kind: str) -> None:
+    """Releases what connector `kind` keeps per process (UCX: its notifier thread); call as the process ends."""
+    if kind == "ucx":
+        import sys
+
+        if "distserve.transfer.ucx_transfer" in sys.modules:  # never loads UCX just to stop it
+            sys.modules["distserve.transfer.ucx_transfer"].stop_ucx()

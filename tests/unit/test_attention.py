@@ -1,0 +1,112 @@
+"""Paged decode attention and chunked prefill attention against dense SDPA references."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distserve.engine.attention import PagedDecodeAttention, decode_mask, paged_attention, prefill_attention
+from distserve.engine.cpu_kernels import cpu_kernels
+from distserve.engine.kv_cache import PagedKvCache, blocks_needed
+
+BLOCK_SIZE = 4
+
+
+def dense_reference(q, k, v, window=None):
+    """q: [H, 1, D] at the last of S positions; k, v: [Hkv, S, D] -> [H * D]."""
+    groups = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    if window is not None:
+        k, v = k[:, -window:], v[:, -window:]
+    return F.scaled_dot_product_attention(q, k, v).reshape(-1)
+
+
+def random_paged_batch(seed: int, dtype=torch.float32):
+    """A cache with random sequences in random, interleaved blocks, their queries and dense K/V."""
+    generator = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim = [(4, 2, 8), (6, 6, 16), (8, 1, 4)][seed % 3]
+    batch = int(torch.randint(1, 7, (1,), generator=generator))
+    lengths = torch.randint(1, 40, (batch,), generator=generator).tolist()
+    cache = PagedKvCache(1, kv_heads, head_dim, 64, BLOCK_SIZE, dtype, "cpu")
+    free = torch.randperm(64, generator=generator).tolist()  # random, interleaved block tables
+    tables, dense_k, dense_v = [], [], []
+    for n in lengths:
+        table = [free.pop() for _ in range(blocks_needed(n, BLOCK_SIZE))]
+        k = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
+        cache.write_slots(0, cache._slots(table, n), k, v)
+        tables.append(table)
+        dense_k.append(k.transpose(0, 1))
+        dense_v.append(v.transpose(0, 1))
+    q = torch.randn(batch, heads, head_dim, generator=generator).to(dtype)
+    return cache, tables, lengths, q, dense_k, dense_v
+
+
+def assert_matches_dense(got, q, dense_k, dense_v, window, tolerance):
+    for b in range(q.shape[0]):
+        expected = dense_reference(q[b].unsqueeze(1).float(), dense_k[b].float(), dense_v[b].float(), window)
+        torch.testing.assert_close(got[b].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_equals_dense_sdpa_over_random_tables(seed, window):
+    cache, tables, lengths, q, dense_k, dense_v = random_paged_batch(seed)
+    block_tables = cache.block_table_tensor(tables, lengths)
+    mask = decode_mask(torch.tensor(lengths), block_tables.shape[1] * BLOCK_SIZE, window)
+    got = paged_attention(q, cache.layer(0), block_tables, mask)
+    assert_matches_dense(got, q, dense_k, dense_v, window, 1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_compiled_cpu_kernel_equals_dense_sdpa_over_random_tables(seed, window, dtype, tolerance):
+    assert cpu_kernels() is not None, "the CPU kernel must build here (compiler and ninja are installed)"
+    cache, tables, lengths, q, dense_k, dense_v = random_paged_batch(seed, dtype)
+    attention = PagedDecodeAttention(cache, cache.block_table_tensor(tables, lengths), torch.tensor(lengths), window)
+    assert attention.kernels is not None
+    assert_matches_dense(attention(q, cache.layer(0)), q, dense_k, dense_v, window, tolerance)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_chunked_prefill_attention_equals_one_causal_pass(window):
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, total = 4, 2, 8, 23
+    q = torch.randn(total, heads, head_dim, generator=generator)
+    k = torch.randn(total, kv_heads, head_dim, generator=generator)
+    v = torch.randn(total, kv_heads, head_dim, generator=generator)
+    whole_kv = torch.empty(1, 2, total, kv_heads, head_dim)
+    whole = prefill_attention(q, k, v, [types.SimpleNamespace(start=0, length=total, position=0, kv=whole_kv)],
+                              0, window)
+    chunked_kv = torch.empty_like(whole_kv)
+    pieces = []
+    for begin, end in [(0, 7), (7, 8), (8, 23)]:  # each chunk its own packed batch
+        chunk = types.SimpleNamespace(start=0, length=end - begin, position=begin, kv=chunked_kv)
+        pieces.append(prefill_attention(q[begin:end], k[begin:end], v[begin:end], [chunk], 0, window))
+
+    torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_kv, whole_kv)
+    mask = torch.ones(total, total).tril().bool()
+    if window is not None:
+        mask &= torch.ones(total, total).triu(-(window - 1)).bool()
+    reference = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(2, 0), v.transpose(0, 1).repeat_interleave(2, 0),
+        attn_mask=mask).transpose(0, 1).reshape(total, -1)
+    torch.testing.assert_close(whole, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_prompts_do_not_attend_to_each_other():
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(10, 2, 4, generator=generator)
+    k = torch.randn(10, 2, 4, generator=generator)
+    v = torch.randn(10, 2, 4, generator=generator)
+    buffers = [torch.empty(1, 2, 3, 2, 4), torch.empty(1, 2, 7, 2, 4)]
+    packed = prefill_attention(q, k, v, [types.SimpleNamespace(start=0, length=3, position=0, kv=buffers[0]),
+                                         types.SimpleNamespace(start=3, length=7, position=0, kv=buffers[1])], 0, None)
+    alone = prefill_attention(q[3:], k[3:], v[3:], [types.SimpleNamespace(start=0, length=7, position=0,
+                                                                         kv=torch.empty(1, 2, 7, 2, 4))], 0, None)
+    torch.testing.assert_close(packed[3:], alone)

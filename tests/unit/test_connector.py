@@ -1,0 +1,49 @@
+"""The KV connector seam: the in-process connector's contract, and the registry of connectors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from distserve.transfer.connector import LocalConsumer, TransferError, make_consumer, make_producer
+
+
+def test_local_fetch_copies_the_buffer_and_reports_it_sent():
+    held = {"h1": torch.arange(24, dtype=torch.float32).view(2, 2, 3, 1, 2)}
+    sent = []
+    producer = make_producer("local", held.get, lambda h, n, s: sent.append((h, n)))
+    port = producer.start()
+    consumer = make_consumer("local")
+    try:
+        out = torch.zeros(2, 2, 3, 1, 2)
+        seconds = asyncio.run(consumer.fetch(f"local:{port}", "h1", out, 1.0, "r"))
+        assert torch.equal(out, held["h1"]) and seconds >= 0
+        assert sent == [("h1", 96)]
+        assert (producer.counters.num_bytes, consumer.counters.num_transfers) == (96, 1)
+        assert f"local:{port}" in consumer.peers
+    finally:
+        producer.stop()
+
+
+async def test_local_fetch_of_an_unknown_handle_or_shape_is_a_transfer_error():
+    held = {"h1": torch.zeros(1, 2, 4, 1, 1)}
+    producer = make_producer("local", held.get, lambda *args: None)
+    port = producer.start()
+    try:
+        with pytest.raises(TransferError, match="not held"):
+            await LocalConsumer().fetch(f"local:{port}", "missing", torch.zeros(1, 2, 4, 1, 1), 1.0)
+        with pytest.raises(TransferError, match="expected"):
+            await LocalConsumer().fetch(f"local:{port}", "h1", torch.zeros(1, 2, 5, 1, 1), 1.0)
+    finally:
+        producer.stop()
+    with pytest.raises(TransferError, match="no local producer"):
+        await LocalConsumer().fetch(f"local:{port}", "h1", torch.zeros(1, 2, 4, 1, 1), 1.0)
+
+
+def test_an_unknown_connector_is_named():
+    with pytest.raises(ValueError, match="kv_connector: 'rdma'"):
+        make_consumer("rdma")
+    with pytest.raises(ValueError, match="kv_connector: 'rdma'"):
+        make_producer("rdma", dict().get, lambda *args: None)

@@ -1,0 +1,71 @@
+"""Our forward against transformers on small random Llama (RoPE scaling, tied embeddings), Mistral
+(sliding window) and Qwen2 (q/k/v bias) models: greedy output token for token, and chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distserve.engine.kv_cache import PagedKvCache, blocks_needed
+from distserve.engine.model_loader import load_engine_model, load_model
+from distserve.engine.model_runner import ModelRunner, PrefillWork
+from tests.builders import compare_with_tolerance, reference_generate
+
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    "mistral": ("MistralConfig", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict()),
+}
+NUM_NEW = 10
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model_folder(request, tmp_path_factory):
+    import transformers
+
+    config_class, extra = FAMILIES[request.param]
+    config = getattr(transformers, config_class)(**COMMON, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def greedy(runner: ModelRunner, prompt: list[int], num_new: int) -> list[int]:
+    cache = PagedKvCache(2, 2, 16, 32, BLOCK_SIZE, torch.float32, "cpu")
+    logits, (kv,) = runner.prefill([prompt])
+    table = cache.allocator.allocate(blocks_needed(len(prompt) + num_new, BLOCK_SIZE))
+    cache.write_prompt(table, kv)
+    out = [int(logits[0].argmax())]
+    for step in range(num_new - 1):
+        out.append(int(runner.decode(cache, [table], [len(prompt) + step], [out[-1]])[0].argmax()))
+    return out
+
+
+def test_greedy_output_equals_transformers_generate(model_folder):
+    reference_model = load_model(model_folder, "float32", "cpu")
+    runner = ModelRunner(load_engine_model(model_folder, "float32", "cpu"))
+    if "qwen2" in model_folder:
+        assert runner.model.weights.layers[0].qkv.bias is not None
+    for length in (3, 21):  # 21 > the Mistral window of 8
+        prompt = torch.randint(0, 300, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        matches, _ = compare_with_tolerance(greedy(runner, prompt, NUM_NEW),
+                                            reference_generate(reference_model, prompt, NUM_NEW))
+        assert matches, (model_folder, prompt)
+
+
+def test_chunked_prefill_equals_whole_prefill(model_folder):
+    runner = ModelRunner(load_engine_model(model_folder, "float32", "cpu"))
+    prompt = list(range(10, 40))
+    logits, (whole_kv,) = runner.prefill([prompt])
+    kv = runner.new_kv_buffer(len(prompt))
+    for begin, end in [(0, 11), (11, 12), (12, 30)]:
+        last = runner.prefill_chunks([PrefillWork(prompt[begin:end], begin, kv, end == len(prompt))])
+    torch.testing.assert_close(last, logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv, whole_kv, atol=1e-5, rtol=1e-5)
