@@ -9,6 +9,7 @@ Measures, in one process pinned to `--threads` cores:
 - a decode step at batch 1 (and a few larger batches): the weight-streaming roofline is
   weight bytes / bandwidth, and the step reaches roofline / step time of it;
 - a 512-token prefill: 2 x params x tokens (plus attention) FLOPs / time, against the matmul peak;
+- prefill tokens/s against prompt length: where it stops growing is the saturation length;
 - KV transfer size per prompt token, for the transfer-overlap question.
 """
 
@@ -93,6 +94,10 @@ def main() -> None:
     prompt = list(range(10, 10 + args.prefill_tokens))
     prefill_s = median_time(lambda: runner.prefill([prompt]), 5, warmup=1)
     flops = prefill_flops(runner, args.prefill_tokens)
+    saturation = {}
+    for length in (32, 64, 128, 256, 512, 1024):
+        seconds = median_time(lambda: runner.prefill([list(range(10, 10 + length))]), 3, warmup=1)
+        saturation[str(length)] = length / seconds
     a = runner.model.args
     result = {
         "model": args.model, "dtype": args.dtype, "threads": args.threads,
@@ -104,6 +109,7 @@ def main() -> None:
         "prefill_tokens": args.prefill_tokens, "prefill_ms": prefill_s * 1e3,
         "prefill_gflops": flops / prefill_s / 1e9,
         "prefill_fraction_of_matmul_peak": flops / prefill_s / 1e9 / peak,
+        "prefill_tokens_per_s_by_prompt_length": saturation,
         "kv_bytes_per_token": 2 * a.num_layers * a.num_kv_heads * a.head_dim * runner.model.dtype.itemsize,
     }
     if args.out:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "skinny_matmul.cpp")]
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -25,7 +25,7 @@ def enabled() -> bool:
 
 
 def cpu_kernels():
-    """torch.ops.distserve (with paged_decode_attention) once built and loaded, or None. Idempotent."""
+    """torch.ops.distserve (paged_decode_attention, skinny_linear) once built and loaded, or None. Idempotent."""
     global _module, _tried
     if not enabled():
         return None
@@ -36,7 +36,7 @@ def cpu_kernels():
                 import torch
                 from torch.utils.cpp_extension import load
 
-                load(name="distserve_cpu_kernels", sources=[str(_SOURCE)], is_python_module=False,
+                load(name="distserve_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
                      extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
                 _module = torch.ops.distserve
             except Exception as exc:  # no compiler or ninja: the torch path still works, only slower

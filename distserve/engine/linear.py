@@ -1,15 +1,24 @@
-"""Linear layers with weights prepared once for the device's fastest matmul.
+"""Linear layers with weights prepared for the device's fastest matmul, chosen per call by batch rows.
 
-On CPU the weight is prepacked into oneDNN's blocked layout at load time. Measured on one core
-(benchmarks/engine_roofline.py; README "Engine"): for the default model's shapes a prepacked matmul
-is 1.3-2x faster than `F.linear` from batch 1 to 256 rows, in float32 and bfloat16 alike. Elsewhere
-(CUDA, or a torch without oneDNN) it is plain `F.linear`.
+On CPU, measured on one core (benchmarks/engine_roofline.py, README "Engine"):
+- one row (batch-1 decode; up to 4 in float32): our compiled GEMV (csrc/skinny_matmul.cpp) streams
+  the weight at 10-18 GB/s, 1.3-1.6x faster than oneDNN there;
+- more rows (prefill, decode batches): the weight prepacked into oneDNN's blocked layout, 1.3-2x
+  faster than `F.linear` from 4 to 256 rows in float32 and bfloat16. It is packed on first use, so
+  a worker that never runs batches holds no second copy.
+Elsewhere (CUDA, or no compiler/oneDNN) it is plain `F.linear`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from distserve.engine.cpu_kernels import cpu_kernels
+
+# Most rows for which the GEMV beats oneDNN (measured): its dot products are single FMA chains, so
+# its cost grows with rows while oneDNN's barely does.
+SKINNY_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -23,12 +32,19 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = weight.shape
         self.num_bytes = weight.numel() * weight.element_size()  # what one pass streams from memory
+        self.weight = weight.contiguous()  # [out, in]
         self.bias = bias
-        self.is_prepacked = _can_prepack(weight)
-        # batch-size hint 1: the decode shape; prefill's larger batches run just as fast on it
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.is_prepacked else weight
+        self._can_prepack = _can_prepack(weight)
+        self._packed: torch.Tensor | None = None
+        self._kernels = cpu_kernels() if self._can_prepack else None
+        self._skinny_rows = SKINNY_ROWS.get(weight.dtype, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_prepacked:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self._kernels is not None and x.shape[0] <= self._skinny_rows:
+            y = self._kernels.skinny_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        if self._can_prepack:
+            if self._packed is None:  # batch-size hint 1; larger batches run just as fast on it
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -29,6 +29,19 @@ from distserve.engine.sampling import (
 
 MAX_SKIPS = 4
 
+# Prompt tokens at which one forward saturates a CPU core (tokens/s stops growing): measured 128-256
+# in bfloat16 and ~256 in float32 for the default model (benchmarks/results/engine_roofline_*.json).
+# Batching beyond it only delays every prompt in the batch.
+CPU_SATURATION_TOKENS_PER_THREAD = 256
+CUDA_SATURATION_TOKENS = 8192
+
+
+def saturation_tokens(device: str) -> int:
+    """The default prefill token budget for a device (the DistServe saturation length Lm)."""
+    if device.startswith("cuda"):
+        return CUDA_SATURATION_TOKENS
+    return CPU_SATURATION_TOKENS_PER_THREAD * torch.get_num_threads()
+
 
 @dataclasses.dataclass
 class PrefillResult:

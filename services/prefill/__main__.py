@@ -25,7 +25,7 @@ from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.transfer import connector
 from distserve.v1 import prefill_pb2_grpc
 from services.kvbroker.store import release_channel
-from distserve.engine.prefill_batcher import PrefillBatcher
+from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 from services.prefill.server import PrefillServicer
@@ -55,7 +55,7 @@ async def serve(config: PrefillConfig) -> None:
     model = load_engine_model(path, config.dtype, config.device)
     spec = load_model_spec(path)
     batcher = PrefillBatcher(ModelRunner(model), spec.eos_token_ids, spec.max_context,
-                             config.max_batch_tokens)
+                             config.max_batch_tokens or saturation_tokens(config.device))
     held = HeldKv()
     metrics = PrefillMetrics()
 

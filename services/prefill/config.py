@@ -26,7 +26,8 @@ class PrefillConfig:
     cpus: str = setting("", "cores to pin this worker to, e.g. 0 or 2-3 (empty: all cores the process may use)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
-    max_batch_tokens: int = setting(2048, "saturation length: padded prompt tokens per forward batch")
+    max_batch_tokens: int = setting(0, "saturation length: prompt tokens per packed forward; longer prompts "
+                                       "are chunked (0: auto, the engine's measured default for the device)")
     kv_lease_s: float = setting(30.0, "free a held KV this long after registering if no one claims it")
     heartbeat_s: float = setting(1.0, "registry heartbeat interval")
     lease_s: float = setting(3.0, "registry lease: the worker vanishes this long after its last heartbeat")
@@ -39,7 +40,7 @@ class PrefillConfig:
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.cpus:
             parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
-        require(self.max_batch_tokens > 0, "max_batch_tokens", "must be > 0")
+        require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
         require(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")
 

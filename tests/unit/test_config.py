@@ -106,7 +106,7 @@ def test_parse_config_validates_the_result():
     (PrefillConfig, {"port": 65536}, "port"),
     (PrefillConfig, {"port": -1}, "port"),
     (PrefillConfig, {"dtype": "float64"}, "dtype"),
-    (PrefillConfig, {"max_batch_tokens": 0}, "max_batch_tokens"),
+    (PrefillConfig, {"max_batch_tokens": -1}, "max_batch_tokens"),
     (PrefillConfig, {"kv_lease_s": 0.0}, "kv_lease_s"),
     (PrefillConfig, {"heartbeat_s": 3.0, "lease_s": 3.0}, "heartbeat_s"),
     (PrefillConfig, {"heartbeat_s": 0.0}, "heartbeat_s"),

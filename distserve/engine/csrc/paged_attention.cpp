@@ -7,67 +7,91 @@
 // seq_lens:     [B] int64, keys [max(0, len - window), len) are attended (window 0: all)
 // returns       [B, H, D] in q's dtype; softmax and accumulation in float32.
 //
-// Work is split over (sequence, KV head) pairs; each pair handles its G = H / Hkv query heads
-// together, so every K/V row is read once for all of them.
+// Work is split over sequences. For each token, one contiguous row of all KV heads [Hkv * D] is
+// widened to float32 once and used by every query head, so the cache streams through memory in order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
+// Widens a row to float32. The bfloat16 case is written as bit shifts so the compiler vectorises it
+// (c10::BFloat16's scalar conversion does not).
 template <typename scalar_t>
-static void attend_one(const scalar_t* q, const scalar_t* cache, const int64_t* table, int64_t len,
-                       int64_t start, int64_t kv_plane, int64_t block_size, int64_t kv_heads, int64_t h,
-                       int64_t group, int64_t head_dim, float scale, scalar_t* out,
-                       std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
-  const int64_t n = len - start;
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = float(q[g * head_dim + d]) * scale;
-  scores.resize(group * n);
-  std::fill(acc.begin(), acc.end(), 0.0f);
-  const int64_t row = kv_heads * head_dim;  // elements between consecutive tokens in a block
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = start + t;
-    const scalar_t* k = cache + (table[pos / block_size] * block_size + pos % block_size) * row + h * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qf.data() + g * head_dim;
-      float s = 0.0f;
-      for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * float(k[d]);
-      scores[g * n + t] = s;
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * n;
-    const float top = *std::max_element(sg, sg + n);
-    float total = 0.0f;
-    for (int64_t t = 0; t < n; ++t) total += (sg[t] = std::exp(sg[t] - top));
-    for (int64_t t = 0; t < n; ++t) sg[t] /= total;
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = start + t;
-    const scalar_t* v = cache + kv_plane + (table[pos / block_size] * block_size + pos % block_size) * row
-                        + h * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * n + t];
-      float* ag = acc.data() + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * float(v[d]);
-    }
-  }
-  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = scalar_t(acc[i]);
+static inline void load_row(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
 }
 
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
-                                     at::Tensor seq_lens, int64_t window, double scale) {
+template <>
+inline void load_row<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = uint32_t(raw[i]) << 16;
+}
+
+struct Shape {
+  int64_t heads, kv_heads, head_dim, block_size, kv_plane;
+};
+
+// Scratch buffers of one worker thread, reused across sequences.
+struct Scratch {
+  std::vector<float> q, scores, acc, row;
+};
+
+// One sequence: q [H, D] against its `len` cached tokens; writes out [H, D].
+template <typename scalar_t>
+static void attend_sequence(const scalar_t* q, const scalar_t* cache, const int64_t* table, int64_t start,
+                            int64_t len, const Shape& s, float scale, scalar_t* out, Scratch& w) {
+  const int64_t n = len - start, group = s.heads / s.kv_heads, d = s.head_dim, row = s.kv_heads * d;
+  w.q.resize(s.heads * d);
+  w.scores.resize(s.heads * n);
+  w.acc.assign(s.heads * d, 0.0f);
+  w.row.resize(row);
+  load_row<scalar_t>(q, w.q.data(), s.heads * d);
+  for (auto& x : w.q) x *= scale;
+  auto slot = [&](int64_t pos) { return (table[pos / s.block_size] * s.block_size + pos % s.block_size) * row; };
+  for (int64_t t = 0; t < n; ++t) {  // scores[h, t] = q[h] . k[t, h / group]
+    load_row<scalar_t>(cache + slot(start + t), w.row.data(), row);
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const float* qh = w.q.data() + h * d;
+      const float* kh = w.row.data() + (h / group) * d;
+      float dot = 0.0f;
+      for (int64_t i = 0; i < d; ++i) dot += qh[i] * kh[i];
+      w.scores[h * n + t] = dot;
+    }
+  }
+  for (int64_t h = 0; h < s.heads; ++h) {  // softmax over t, in place
+    float* sh = w.scores.data() + h * n;
+    const float top = *std::max_element(sh, sh + n);
+    float total = 0.0f;
+    for (int64_t t = 0; t < n; ++t) total += (sh[t] = std::exp(sh[t] - top));
+    const float inv = 1.0f / total;
+    for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+  }
+  for (int64_t t = 0; t < n; ++t) {  // acc[h] += p[h, t] * v[t, h / group]
+    load_row<scalar_t>(cache + s.kv_plane + slot(start + t), w.row.data(), row);
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const float p = w.scores[h * n + t];
+      const float* vh = w.row.data() + (h / group) * d;
+      float* ah = w.acc.data() + h * d;
+      for (int64_t i = 0; i < d; ++i) ah[i] += p * vh[i];
+    }
+  }
+  for (int64_t i = 0; i < s.heads * d; ++i) out[i] = scalar_t(w.acc[i]);
+}
+
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor seq_lens,
+                                  int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.is_contiguous() && q.is_contiguous(), "bad q/cache");
   TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "cache and q dtypes differ");
+  TORCH_CHECK(q.size(1) % cache.size(3) == 0 && q.size(2) == cache.size(4), "q and cache heads do not match");
   auto tables = block_tables.to(at::kLong).contiguous();
   auto lens = seq_lens.to(at::kLong).contiguous();
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = cache.size(2), kv_heads = cache.size(3);
-  const int64_t kv_plane = cache.stride(0), max_blocks = tables.size(1);
-  const int64_t group = heads / kv_heads;
+  const Shape shape{q.size(1), cache.size(3), q.size(2), cache.size(2), cache.stride(0)};
+  const int64_t batch = q.size(0), max_blocks = tables.size(1);
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q_ptr = q.data_ptr<scalar_t>();
@@ -75,15 +99,13 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor blo
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t* table_ptr = tables.data_ptr<int64_t>();
     const int64_t* len_ptr = lens.data_ptr<int64_t>();
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(group * head_dim), scores, acc(group * head_dim);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / kv_heads, h = i % kv_heads, len = len_ptr[b];
-        const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        const int64_t offset = (b * heads + h * group) * head_dim;
-        attend_one<scalar_t>(q_ptr + offset, cache_ptr, table_ptr + b * max_blocks, len, start, kv_plane,
-                             block_size, kv_heads, h, group, head_dim, float(scale), out_ptr + offset, qf, scores,
-                             acc);
+    const int64_t per_seq = shape.heads * shape.head_dim;
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t len = len_ptr[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        attend_sequence<scalar_t>(q_ptr + b * per_seq, cache_ptr, table_ptr + b * max_blocks, start, len, shape,
+                                  float(scale), out_ptr + b * per_seq, scratch);
       }
     });
   });

@@ -1,0 +1,31 @@
+"""Linear: every path (compiled GEMV, oneDNN prepacked, F.linear) computes x @ w.T + b."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distserve.engine.cpu_kernels import cpu_kernels
+from distserve.engine.linear import Linear
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_f_linear_for_every_batch_size(dtype, tolerance, rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(37, 40, generator=generator).to(dtype)  # odd sizes: no path may assume multiples
+    bias = torch.randn(37, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(rows, 40, generator=generator).to(dtype)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    got = Linear(weight, bias)(x)
+    assert got.shape == (rows, 37) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_the_compiled_gemv_is_built_and_matches_at_one_row():
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here (compiler and ninja are installed)"
+    weight, x = torch.randn(300, 512), torch.randn(1, 512)
+    torch.testing.assert_close(kernels.skinny_linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-4)
