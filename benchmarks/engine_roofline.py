@@ -16,7 +16,9 @@ Measures, in one process pinned to `--threads` cores:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -76,7 +78,17 @@ def prefill_flops(runner: ModelRunner, num_tokens: int) -> float:
     return a.num_layers * (2 * layer_params * num_tokens + attention) + 2 * w.lm_head.in_features * w.lm_head.out_features
 
 
+def run_like_a_worker() -> None:
+    """Re-executes with the malloc settings workers get from the launcher (read only at process start)."""
+    from distserve.launcher import WORKER_MALLOC_ENV
+
+    if any(key not in os.environ for key in WORKER_MALLOC_ENV):
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.engine_roofline", *sys.argv[1:]],
+                  {**os.environ, **WORKER_MALLOC_ENV})
+
+
 def main() -> None:
+    run_like_a_worker()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default:small")
     parser.add_argument("--dtype", default="float32")

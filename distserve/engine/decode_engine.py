@@ -19,6 +19,26 @@ from distserve.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
+class StepStats:
+    """Running totals of decode steps, logged every LOG_EVERY steps: where step time goes."""
+
+    LOG_EVERY = 500
+
+    def __init__(self) -> None:
+        self.num_steps = self.num_sequences = 0
+        self.wall_s = self.compute_s = 0.0
+
+    def add(self, batch_size: int, wall_s: float, compute_s: float) -> None:
+        self.num_steps += 1
+        self.num_sequences += batch_size
+        self.wall_s += wall_s
+        self.compute_s += compute_s
+        if self.num_steps % self.LOG_EVERY == 0:
+            log.info("decode steps=%d mean_batch=%.1f mean_step_ms=%.2f (in the step thread %.2f)", self.num_steps,
+                     self.num_sequences / self.num_steps, self.wall_s / self.num_steps * 1e3,
+                     self.compute_s / self.num_steps * 1e3)
+
+
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, kv_cache: PagedKvCache, scheduler: DecodeScheduler,
                  eos_ids: tuple[int, ...], max_context: int):
@@ -30,6 +50,8 @@ class DecodeEngine:
         self._wakeup = asyncio.Event()
         self._blocks_freed = asyncio.Event()
         scheduler.allocator.on_free = self._blocks_freed.set
+        self.step_stats = StepStats()
+        self._step_compute_s = 0.0
 
     async def reserve(self, num_blocks: int) -> list[int]:
         """Waits until num_blocks are free and takes them (callers bound the wait with a timeout)."""
@@ -58,7 +80,9 @@ class DecodeEngine:
                 for seq in batch:
                     seq.started_at = seq.started_at or now
                 try:
+                    started = time.perf_counter()
                     tokens = await asyncio.to_thread(self._step, batch)
+                    self.step_stats.add(len(batch), time.perf_counter() - started, self._step_compute_s)
                 except Exception as exc:  # a failed step ends its batch's requests, not the worker
                     log.exception("decode step failed")
                     for seq in batch:
@@ -72,6 +96,13 @@ class DecodeEngine:
 
     def _step(self, batch: list[Sequence]) -> list[int | Exception]:
         """One forward for the batch, then a token per sequence (or that sequence's sampling error)."""
+        started = time.perf_counter()
+        try:
+            return self._forward_and_sample(batch)
+        finally:
+            self._step_compute_s = time.perf_counter() - started
+
+    def _forward_and_sample(self, batch: list[Sequence]) -> list[int | Exception]:
         logits = self.runner.decode(
             self.kv_cache, [s.block_table for s in batch], [s.context_len for s in batch],
             [s.tokens[-1] for s in batch],
