@@ -29,7 +29,8 @@ from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 
 
-def best_time(fn, repeats: int, warmup: int = 2) -> float:
+def timed(fn, repeats: int, warmup: int = 2, stat=min) -> float:
+    """stat (min or statistics.median) of fn's wall time over repeats, after warmup calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -37,28 +38,17 @@ def best_time(fn, repeats: int, warmup: int = 2) -> float:
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
-    return min(times)
-
-
-def median_time(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return stat(times)
 
 
 def memory_bandwidth_gbps() -> float:
     data = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
-    return data.numel() * 4 / best_time(data.sum, 5) / 1e9
+    return data.numel() * 4 / timed(data.sum, 5) / 1e9
 
 
 def matmul_peak_gflops(dtype: torch.dtype) -> float:
     a, b = torch.randn(1024, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    return 2 * 1024 * 2048 * 2048 / best_time(lambda: a @ b, 5) / 1e9
+    return 2 * 1024 * 2048 * 2048 / timed(lambda: a @ b, 5) / 1e9
 
 
 def decode_step_s(runner: ModelRunner, batch: int, context: int) -> float:
@@ -67,7 +57,7 @@ def decode_step_s(runner: ModelRunner, batch: int, context: int) -> float:
     cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, per_seq * batch, 16, runner.model.dtype,
                          runner.device)
     tables = [cache.allocator.allocate(per_seq) for _ in range(batch)]
-    return median_time(lambda: runner.decode(cache, tables, [context] * batch, [7] * batch), 20)
+    return timed(lambda: runner.decode(cache, tables, [context] * batch, [7] * batch), 20, stat=statistics.median)
 
 
 def prefill_flops(runner: ModelRunner, num_tokens: int) -> float:
@@ -104,11 +94,11 @@ def main() -> None:
     roofline_s = weight_bytes / (bandwidth * 1e9)
     step_s = {batch: decode_step_s(runner, batch, 256) for batch in (1, 8, 32, 64)}
     prompt = list(range(10, 10 + args.prefill_tokens))
-    prefill_s = median_time(lambda: runner.prefill([prompt]), 5, warmup=1)
+    prefill_s = timed(lambda: runner.prefill([prompt]), 5, warmup=1, stat=statistics.median)
     flops = prefill_flops(runner, args.prefill_tokens)
     saturation = {}
     for length in (32, 64, 128, 256, 512, 1024):
-        seconds = median_time(lambda: runner.prefill([list(range(10, 10 + length))]), 3, warmup=1)
+        seconds = timed(lambda: runner.prefill([list(range(10, 10 + length))]), 3, warmup=1, stat=statistics.median)
         saturation[str(length)] = length / seconds
     a = runner.model.args
     result = {

@@ -8,4 +8,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[dev]'
+# Build the CPU kernels now (cached per machine) so no worker start waits ~30 s for the compiler.
+.venv/bin/python -m distserve.engine.cpu_kernels || echo "warning: no C++ compiler; decode uses the slower torch path"
 echo "setup done: .venv/bin/distserve is ready"

@@ -42,3 +42,12 @@ def cpu_kernels():
             except Exception as exc:  # no compiler or ninja: the torch path still works, only slower
                 log.warning("CPU kernels unavailable, using torch attention: %s", exc)
         return _module
+
+
+if __name__ == "__main__":  # python -m distserve.engine.cpu_kernels: build now (setup does), report
+    import sys
+
+    logging.basicConfig(level=logging.INFO)
+    built = cpu_kernels() is not None
+    print("CPU kernels:", "built" if built else "unavailable (workers use the torch path)")
+    sys.exit(0 if built else 1)

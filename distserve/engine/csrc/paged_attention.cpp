@@ -13,24 +13,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
-
-// Widens a row to float32. The bfloat16 case is written as bit shifts so the compiler vectorises it
-// (c10::BFloat16's scalar conversion does not).
-template <typename scalar_t>
-static inline void load_row(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
-}
-
-template <>
-inline void load_row<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = uint32_t(raw[i]) << 16;
-}
 
 struct Shape {
   int64_t heads, kv_heads, head_dim, block_size, kv_plane;
@@ -50,11 +38,11 @@ static void attend_sequence(const scalar_t* q, const scalar_t* cache, const int6
   w.scores.resize(s.heads * n);
   w.acc.assign(s.heads * d, 0.0f);
   w.row.resize(row);
-  load_row<scalar_t>(q, w.q.data(), s.heads * d);
+  widen<scalar_t>(q, w.q.data(), s.heads * d);
   for (auto& x : w.q) x *= scale;
   auto slot = [&](int64_t pos) { return (table[pos / s.block_size] * s.block_size + pos % s.block_size) * row; };
   for (int64_t t = 0; t < n; ++t) {  // scores[h, t] = q[h] . k[t, h / group]
-    load_row<scalar_t>(cache + slot(start + t), w.row.data(), row);
+    widen<scalar_t>(cache + slot(start + t), w.row.data(), row);
     for (int64_t h = 0; h < s.heads; ++h) {
       const float* qh = w.q.data() + h * d;
       const float* kh = w.row.data() + (h / group) * d;
@@ -72,7 +60,7 @@ static void attend_sequence(const scalar_t* q, const scalar_t* cache, const int6
     for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
   }
   for (int64_t t = 0; t < n; ++t) {  // acc[h] += p[h, t] * v[t, h / group]
-    load_row<scalar_t>(cache + s.kv_plane + slot(start + t), w.row.data(), row);
+    widen<scalar_t>(cache + s.kv_plane + slot(start + t), w.row.data(), row);
     for (int64_t h = 0; h < s.heads; ++h) {
       const float p = w.scores[h * n + t];
       const float* vh = w.row.data() + (h / group) * d;

@@ -12,21 +12,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-
-template <typename scalar_t>
-static inline void widen(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
-}
-
-template <>
-inline void widen<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = uint32_t(raw[i]) << 16;
-}
 
 template <typename scalar_t>
 static void skinny_rows(const float* x, const scalar_t* w, scalar_t* y, int64_t m, int64_t n, int64_t k,
