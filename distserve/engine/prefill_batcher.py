@@ -47,7 +47,7 @@ def saturation_tokens(device: str) -> int:
 class PrefillResult:
     first_token: int
     finish_reason: FinishReason | None
-    kv: torch.Tensor  # [L, 2, T, Hkv, D], token-major
+    kv: torch.Tensor  # [L, 2, T, Hkv, D], token-major, on the CPU (sent host-staged)
     queue_s: float
     prefill_s: float  # first chunk's forward start -> last chunk's forward end
     # wall-clock stage boundaries (ns) for tracing: enqueued -> forward start -> forward end -> sampled
@@ -200,6 +200,7 @@ class PrefillBatcher:
         except Exception as exc:  # e.g. non-finite probabilities: fails this request only
             return exc
         finish = finish_reason_for(token, 1, len(pending.prompt) + 1, params, self._eos_ids, self._max_context)
-        return PrefillResult(token, finish, pending.kv, pending.started_at - pending.enqueued_at,
+        kv = pending.kv if pending.kv.device.type == "cpu" else pending.kv.cpu()  # UCX today is host-staged
+        return PrefillResult(token, finish, kv, pending.started_at - pending.enqueued_at,
                              ended - pending.started_at, pending.enqueued_ns, pending.started_ns, end_ns,
                              time.time_ns(), batch_size, batch_tokens, pending.num_chunks)

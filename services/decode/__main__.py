@@ -41,7 +41,9 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec) -> DecodeEngine:
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
                             dtype, config.device)
     scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
-    return DecodeEngine(ModelRunner(model), kv_cache, scheduler, spec.eos_token_ids,
+    runner = ModelRunner(model)
+    runner.warm_up()
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids,
                         spec.max_context)
 
 

@@ -54,7 +54,9 @@ async def serve(config: PrefillConfig) -> None:
     path = resolve_model_path(config.model)
     model = load_engine_model(path, config.dtype, config.device)
     spec = load_model_spec(path)
-    batcher = PrefillBatcher(ModelRunner(model), spec.eos_token_ids, spec.max_context,
+    runner = ModelRunner(model)
+    runner.warm_up()
+    batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context,
                              config.max_batch_tokens or saturation_tokens(config.device))
     held = HeldKv()
     metrics = PrefillMetrics()

@@ -97,3 +97,10 @@ def test_decode_writes_the_new_tokens_kv_into_the_cache(runner, spec, prompts):
     full_logits, (full_kv,) = runner.prefill([prompt + [first]])
     torch.testing.assert_close(cache.gather([table], [len(prompt) + 1])[:, :, 0], full_kv, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(decode_logits[0], full_logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_warm_up_leaves_no_state_behind(runner, prompts):
+    before, _ = runner.prefill([prompts[0]])
+    runner.warm_up()
+    after, _ = runner.prefill([prompts[0]])
+    torch.testing.assert_close(after, before)
