@@ -29,6 +29,8 @@ def cpu_kernels():
     global _module, _tried
     if not enabled():
         return None
+    if _tried:  # the hot path (once per decode step): no lock once the build was attempted
+        return _module
     with _lock:
         if not _tried:
             _tried = True

@@ -36,7 +36,7 @@ class Linear:
         self.bias = bias
         self._can_prepack = _can_prepack(weight)
         self._packed: torch.Tensor | None = None
-        self._kernels = cpu_kernels() if self._can_prepack else None
+        self._kernels = cpu_kernels() if weight.device.type == "cpu" else None
         self._skinny_rows = SKINNY_ROWS.get(weight.dtype, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from distserve.engine.attention import PagedDecodeAttention, prefill_attention
 from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.model_spec import text_config
 from distserve.engine.weights import LayerWeights, ModelArgs, ModelWeights
 
 
@@ -51,7 +52,7 @@ def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> tuple
     """cos, sin for positions [0, max_positions): [P, D] each, computed exactly as transformers does."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rotary = LlamaRotaryEmbedding(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    rotary = LlamaRotaryEmbedding(text_config(config))
     positions = torch.arange(max_positions)[None]  # [1, P]
     cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)  # [1, P, D] float32
     return cos[0].to(device=device, dtype=dtype), sin[0].to(device=device, dtype=dtype)

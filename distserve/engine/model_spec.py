@@ -24,15 +24,14 @@ class ModelSpec:
     def from_config(cls, config, generation_config=None) -> "ModelSpec":
         """From a transformers config; EOS ids are the union of the model's and its generation config's
         (instruct models list their end-of-turn tokens, e.g. Llama 3's <|eot_id|>, only in the latter)."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        text = text_config(config)
         eos_ids = _as_ids(getattr(text, "eos_token_id", None)) + _as_ids(getattr(config, "eos_token_id", None))
         if generation_config is not None:
             eos_ids += _as_ids(generation_config.eos_token_id)
         return cls(
             num_layers=text.num_hidden_layers,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            head_dim=head_dim,
+            num_kv_heads=num_kv_heads(text),
+            head_dim=head_dim(text),
             vocab_size=text.vocab_size,
             max_context=text.max_position_embeddings,
             eos_token_ids=tuple(sorted(set(eos_ids))),
@@ -44,6 +43,19 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def text_config(config):
+    """The language model's part of a transformers config (multimodal configs nest it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def num_kv_heads(text) -> int:
+    return getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
+def head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
 def _as_ids(value) -> tuple[int, ...]:

@@ -85,7 +85,7 @@ class _Slice:
 
     pending: _Pending
     num_tokens: int
-    is_last: bool = False  # the slice ends its prompt
+    is_last: bool = False  # the slice ends its prompt; fixed at scheduling, before num_computed moves
 
     def __post_init__(self) -> None:
         self.is_last = self.num_tokens == self.pending.num_remaining

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from distserve.engine.linear import Linear
+from distserve.engine.model_spec import head_dim, num_kv_heads, text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -38,7 +39,7 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config) -> "ModelArgs":
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         if text.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model: model_type {text.model_type!r} is not supported; one of {SUPPORTED_MODEL_TYPES}")
         window = getattr(text, "sliding_window", None)
@@ -51,8 +52,8 @@ class ModelArgs:
             intermediate_size=text.intermediate_size,
             num_layers=text.num_hidden_layers,
             num_heads=text.num_attention_heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            num_kv_heads=num_kv_heads(text),
+            head_dim=head_dim(text),
             rms_norm_eps=text.rms_norm_eps,
             hidden_act=text.hidden_act,
             sliding_window=window,
