@@ -101,23 +101,38 @@ class LlamaModel:
         return self.weights.lm_head(rms_norm(h, self.weights.norm, self.args.rms_norm_eps)).float()
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, chunks: list[PrefillChunk],
-                logits_rows: list[int]) -> torch.Tensor:
-        """Runs a packed batch.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, chunks: list[PrefillChunk],
+                paged: "PagedStep | None", logits_rows: list[int] | slice) -> torch.Tensor:
+        """One step over a packed batch: prompt chunks in rows [0, P), then (when `paged` is given) one
+        token per decoding sequence in rows [P, N). Every row goes through the same weight matmuls,
+        so the decode rows ride along on the prompt chunks' weight reads (chunked prefill, as vLLM and
+        Sarathi do); only attention differs per kind of row.
 
-        input_ids, positions: [N] (on the model's device); chunks cover [0, N) in order.
-        Returns float32 logits [len(logits_rows), V] at the packed rows asked for (e.g. each
-        finished prompt's last token); no other position's logits are computed.
+        input_ids, positions: [N] (on the model's device); chunks cover [0, P) in order.
+        Returns float32 logits [len(logits_rows), V] at the packed rows asked for; no other row's
+        logits are computed.
         """
+        num_prefill = sum(c.length for c in chunks)
         h = self.weights.embed[input_ids]  # [N, hidden]
         for i, layer in enumerate(self.weights.layers):
             def attend(x, i=i, layer=layer):
                 q, k, v = self._qkv(layer, x, positions)
-                return prefill_attention(q, k, v, chunks, i, self.args.sliding_window)
+                parts = []
+                if chunks:
+                    parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], chunks, i,
+                                                   self.args.sliding_window))
+                if paged is not None:
+                    paged.cache.write_slots(i, paged.slots, k[num_prefill:], v[num_prefill:])
+                    parts.append(paged.attention(q[num_prefill:], paged.cache.layer(i)))
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
             h = self._layer(layer, h, attend)
         return self._logits(h[logits_rows])
 
-    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, chunks: list[PrefillChunk],
+                logits_rows: list[int]) -> torch.Tensor:
+        """A packed batch of prompt chunks only (see `forward`)."""
+        return self.forward(input_ids, positions, chunks, None, logits_rows)
+
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKvCache,
                block_tables: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One step: token input_ids[b] at positions[b] for every sequence b.
@@ -126,15 +141,20 @@ class LlamaModel:
         new token's K/V goes. Every sequence attends to positions [0, positions[b]].
         Returns float32 logits [B, V].
         """
-        attention = PagedDecodeAttention(cache, block_tables, positions + 1, self.args.sliding_window)
-        h = self.weights.embed[input_ids]  # [B, hidden]
-        for i, layer in enumerate(self.weights.layers):
-            def attend(x, i=i, layer=layer):
-                q, k, v = self._qkv(layer, x, positions)
-                cache.write_slots(i, slots, k, v)
-                return attention(q, cache.layer(i))
-            h = self._layer(layer, h, attend)
-        return self._logits(h)
+        paged = PagedStep(cache, block_tables, positions, slots, self.args.sliding_window)
+        return self.forward(input_ids, positions, [], paged, slice(None))
+
+
+class PagedStep:
+    """The decoding rows of a step: where their K/V goes in the paged cache and how they attend.
+
+    block_tables: [B, max_blocks]; positions: [B], each new token's position; slots: [B].
+    """
+
+    def __init__(self, cache: PagedKvCache, block_tables: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, window: int | None):
+        self.cache, self.slots = cache, slots
+        self.attention = PagedDecodeAttention(cache, block_tables, positions + 1, window)
 
 
 def _activation(name: str):

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from distserve.engine.kv_cache import PagedKvCache
-from distserve.engine.model import LlamaModel, PrefillChunk
+from distserve.engine.model import LlamaModel, PagedStep, PrefillChunk
 
 
 @dataclasses.dataclass
@@ -22,6 +22,16 @@ class PrefillWork:
     position: int  # position of token_ids[0] in the prompt
     kv: torch.Tensor  # the prompt's KV buffer [L, 2, T_prompt, Hkv, D]
     is_last: bool  # the chunk ends the prompt: its last token's logits are wanted
+
+
+@dataclasses.dataclass
+class DecodeWork:
+    """The decoding sequences of a step: sequence b feeds input_ids[b] at position context_lens[b]."""
+
+    kv_cache: PagedKvCache
+    tables: list[list[int]]  # tables[b] covers context_lens[b] + 1 tokens
+    context_lens: list[int]
+    input_ids: list[int]
 
 
 class ModelRunner:
@@ -52,6 +62,14 @@ class ModelRunner:
     def prefill_chunks(self, works: list[PrefillWork]) -> torch.Tensor:
         """One packed forward over every chunk. Returns float32 logits [num last chunks, V] on the
         CPU, in the order of the works whose is_last is set."""
+        return self.step(works, None)[0]
+
+    def step(self, works: list[PrefillWork], decode: DecodeWork | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One fused forward over prompt chunks and decoding sequences (a colocated worker's step).
+
+        Returns float32 CPU logits: [num works with is_last, V] in their order, and [B, V] for the
+        decoding sequences (None without them).
+        """
         ids, positions, chunks, rows = [], [], [], []
         for work in works:
             start, n = len(ids), len(work.token_ids)
@@ -60,9 +78,22 @@ class ModelRunner:
             chunks.append(PrefillChunk(start, n, work.position, work.kv))
             if work.is_last:
                 rows.append(start + n - 1)
-        logits = self.model.prefill(torch.tensor(ids, device=self.device),
-                                    torch.tensor(positions, device=self.device), chunks, rows)
-        return logits.cpu()
+        paged = None
+        if decode is not None:
+            rows += range(len(ids), len(ids) + len(decode.input_ids))
+            ids += decode.input_ids
+            positions += decode.context_lens
+            paged = self._paged_step(decode)
+        logits = self.model.forward(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                                    chunks, paged, rows).cpu()
+        num_last = len(rows) - (len(decode.input_ids) if decode is not None else 0)
+        return logits[:num_last], (logits[num_last:] if decode is not None else None)
+
+    def _paged_step(self, decode: DecodeWork) -> PagedStep:
+        cache = decode.kv_cache
+        return PagedStep(cache, cache.block_table_tensor(decode.tables, [n + 1 for n in decode.context_lens]),
+                         torch.tensor(decode.context_lens, device=self.device),
+                         cache.slot_tensor(decode.tables, decode.context_lens), self.model.args.sliding_window)
 
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Whole prompts in one packed batch: last-token logits [B, V] and each prompt's KV
@@ -77,9 +108,4 @@ class ModelRunner:
 
         tables[b] must cover context_lens[b] + 1 tokens. Returns next-token logits [B, V] (float32, CPU).
         """
-        positions = torch.tensor(context_lens, device=self.device)
-        block_tables = kv_cache.block_table_tensor(tables, [n + 1 for n in context_lens])
-        slots = kv_cache.slot_tensor(tables, context_lens)
-        logits = self.model.decode(torch.tensor(input_ids, device=self.device), positions, kv_cache,
-                                   block_tables, slots)
-        return logits.cpu()
+        return self.step([], DecodeWork(kv_cache, tables, context_lens, input_ids))[1]

@@ -7,7 +7,7 @@ import torch
 
 from distserve.engine.kv_cache import PagedKvCache, blocks_needed
 from distserve.engine.model_loader import load_engine_model, load_model
-from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from distserve.engine.model_spec import load_model_spec
 from tests.builders import compare_with_tolerance, reference_generate
 
@@ -104,3 +104,26 @@ def test_warm_up_leaves_no_state_behind(runner, prompts):
     runner.warm_up()
     after, _ = runner.prefill([prompts[0]])
     torch.testing.assert_close(after, before)
+
+
+def test_mixed_step_equals_separate_prefill_and_decode(runner, spec, prompts):
+    """A fused step (prompt chunks + decoding sequences) gives the logits each kind gives alone."""
+    decoding, new_prompt = prompts[:2], prompts[2]
+    cache = new_cache(spec)
+    logits, kvs = runner.prefill(decoding)
+    tables = []
+    for prompt, kv in zip(decoding, kvs):
+        tables.append(cache.allocator.allocate(blocks_needed(len(prompt) + 2, BLOCK_SIZE)))
+        cache.write_prompt(tables[-1], kv)
+    firsts = logits.argmax(-1).tolist()
+    lengths = [len(p) for p in decoding]
+    alone_decode = runner.decode(cache, tables, lengths, firsts)
+    alone_prefill = runner.prefill([new_prompt])[0]
+
+    kv = runner.new_kv_buffer(len(new_prompt))
+    half = len(new_prompt) // 2
+    runner.step([PrefillWork(new_prompt[:half], 0, kv, False)], None)
+    mixed_prefill, mixed_decode = runner.step([PrefillWork(new_prompt[half:], half, kv, True)],
+                                              DecodeWork(cache, tables, lengths, firsts))
+    torch.testing.assert_close(mixed_prefill, alone_prefill, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mixed_decode, alone_decode, rtol=1e-4, atol=1e-4)
