@@ -1,0 +1,158 @@
+"""`distserve bench` / `python -m distserve.bench`: measure goodput, or compare earlier runs.
+
+A run: check the endpoint -> sample lengths and prompts once (same for every rate)
+-> for each rate, send all requests on its Poisson schedule and wait for them ->
+DIR/results.json, DIR/attainment.png, DIR/latency_cdf.png and a summary table.
+`--compare DIR ...` only reads results.json files: overlay chart and goodput table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from distserve.bench import plots, stats, workload
+from distserve.bench.client import (
+    BenchRequest,
+    Endpoint,
+    EndpointError,
+    list_models,
+    open_session,
+    pick_model,
+    run_rate,
+)
+
+log = logging.getLogger("distserve.bench")
+FALLBACK_VOCAB_SIZE = 32000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench's flags, on a parser of its own or on the `distserve bench` subparser."""
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the OpenAI-compatible server")
+    parser.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="HF folder whose tokenizer gives the vocabulary size for random prompts "
+                             "(default: --model or the served model's root when a local folder, else 32000)")
+    parser.add_argument("--rates", default="1,2,4", help="request rates per second, comma-separated; inf allowed")
+    parser.add_argument("--num-prompts", type=int, default=50, help="requests per rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", default="fixed", choices=workload.WORKLOADS,
+                        help="fixed lengths, or a mix shaped like ShareGPT (chat), HumanEval (code), "
+                             "LongBench (summarize)")
+    parser.add_argument("--input-len", default="256", help="fixed workload: N or A-B (uniform) prompt tokens")
+    parser.add_argument("--output-len", default="64", help="fixed workload: N or A-B (uniform) output tokens")
+    parser.add_argument("--max-context", type=int, default=None, help="clip each request to input+output <= this")
+    parser.add_argument("--slo-ttft-ms", type=float, default=300.0, help="time-to-first-token SLO")
+    parser.add_argument("--slo-tpot-ms", type=float, default=60.0, help="time-per-output-token SLO")
+    parser.add_argument("--out", default=None, help="folder for results.json and the charts")
+    parser.add_argument("--label", default=None, help="name of this configuration (default: the --out folder name)")
+    parser.add_argument("--compare", nargs="+", metavar="DIR", default=None,
+                        help="overlay earlier result folders into --out/attainment.png; sends no request")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
+                        help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)")
+
+
+def parse_rates(text: str) -> list[float]:
+    """"1,2,inf" -> [1.0, 2.0, inf]. Raises ValueError naming --rates unless every rate is > 0."""
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        rates = []
+    if not rates or not all(rate > 0 for rate in rates):
+        raise ValueError(f"--rates: expected comma-separated rates > 0 (inf allowed), got {text!r}")
+    return rates
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark (or the comparison) that `args` describe; returns the exit code."""
+    try:
+        if args.compare:
+            return _compare(args)
+        _check_args(args)
+        results = asyncio.run(_bench(args))
+    except (ValueError, EndpointError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    plots.plot_attainment([results], out / "attainment.png")
+    plots.plot_latency_cdf(results, out / "latency_cdf.png")
+    print(stats.format_summary(results))
+    print(f"results: {out / 'results.json'}")
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not args.out:
+        raise ValueError("--out: a folder for results.json is required")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts: must be at least 1, got {args.num_prompts}")
+    if args.slo_ttft_ms <= 0 or args.slo_tpot_ms <= 0:
+        raise ValueError("--slo-ttft-ms / --slo-tpot-ms: must be > 0")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+
+
+async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    rates = parse_rates(args.rates)
+    url = args.url.rstrip("/")
+    lengths = workload.sample_lengths(args.workload, args.num_prompts, args.seed, args.input_len, args.output_len,
+                                      args.max_context)
+    async with open_session() as session:
+        card = pick_model(url, await list_models(session, url, args.api_key), args.model)
+        endpoint = Endpoint(url, card["id"], args.api_key)
+        prompts = workload.synthetic_prompts(lengths, _vocab_size(args, card), args.seed)
+        requests = [BenchRequest(p, out_len) for p, (_, out_len) in zip(prompts, lengths)]
+        summaries = []
+        for rate in rates:
+            arrivals = workload.poisson_arrivals(rate, len(requests), args.seed)
+            records, duration_s = await run_rate(session, endpoint, requests, arrivals, desc=f"rate {rate:g}")
+            summaries.append(stats.summarize_rate(rate, duration_s, records, args.slo_ttft_ms / 1000,
+                                                  args.slo_tpot_ms / 1000))
+    fixed = args.workload == "fixed"
+    spec = {"name": args.workload, "input_len": args.input_len if fixed else None,
+            "output_len": args.output_len if fixed else None, "num_prompts": args.num_prompts, "seed": args.seed}
+    label = args.label or Path(args.out).resolve().name
+    return stats.results_document(label, url, endpoint.model, spec, args.slo_ttft_ms, args.slo_tpot_ms, summaries)
+
+
+def _vocab_size(args: argparse.Namespace, card: dict[str, Any]) -> int:
+    """len(tokenizer) of --tokenizer, else of --model or the card's root (vLLM's) when a local folder."""
+    folder = args.tokenizer or next((c for c in (args.model, card.get("root")) if c and Path(c).is_dir()), None)
+    if folder is None:
+        log.warning("no local tokenizer (--tokenizer): random prompts use token ids below %d; "
+                    "pass --tokenizer if the model's vocabulary is smaller", FALLBACK_VOCAB_SIZE)
+        return FALLBACK_VOCAB_SIZE
+    from transformers import AutoTokenizer  # slow to import: only when a tokenizer is used
+
+    return len(AutoTokenizer.from_pretrained(folder))
+
+
+def _compare(args: argparse.Namespace) -> int:
+    if not args.out:
+        raise ValueError("--out: a folder for the comparison chart is required with --compare")
+    runs = [json.loads((Path(d) / "results.json").read_text()) for d in args.compare]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots.plot_attainment(runs, out / "attainment.png")
+    width = max(len("label"), *(len(r["label"]) for r in runs))
+    print(f"{'label':<{width}}  goodput (req/s)  SLO (TTFT/TPOT ms)")
+    for r in runs:
+        bound = ">= " if r["goodput_is_lower_bound"] else ""
+        print(f"{r['label']:<{width}}  {bound + format(r['goodput_rps'], '.2f'):>15}  "
+              f"{r['slo']['ttft_ms']:g}/{r['slo']['tpot_ms']:g}")
+    print(f"chart: {out / 'attainment.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="distserve bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(parser.parse_args(argv))
+

@@ -1,0 +1,173 @@
+"""Per-request timings -> latency percentiles, SLO attainment, goodput and the results.json document.
+
+Definitions (DistServe, OSDI'24; TPOT as vLLM's benchmark computes it):
+
+- TTFT: send -> first chunk carrying output. E2E: send -> end of the stream.
+- TPOT = (E2E - TTFT) / (output tokens - 1); undefined for 0 or 1 output tokens,
+  and such a request meets the TPOT SLO trivially.
+- A request meets the SLOs when it succeeded, TTFT <= the TTFT SLO and TPOT
+  (when defined) <= the TPOT SLO. Attainment is the fraction of ALL sent
+  requests that meet both: failures count as misses.
+- Goodput: the highest request rate whose attainment is >= the target (90%);
+  see `goodput` for how it is read off the measured rates.
+
+Everything here is pure: no I/O, no clocks, so tests feed it synthetic traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+ATTAINMENT_TARGET = 0.9
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One request as the client saw it. Times are seconds; ttft_s / e2e_s are None when never reached."""
+
+    arrival_s: float  # scheduled offset from the start of its rate's run
+    input_len: int
+    output_len: int  # output tokens received (usage when the server reports it, else content chunks)
+    ttft_s: float | None
+    e2e_s: float | None
+    ok: bool
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.output_len <= 1 or self.ttft_s is None or self.e2e_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
+
+    def meets(self, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+        if not self.ok or self.ttft_s is None or self.ttft_s > slo_ttft_s:
+            return False
+        tpot = self.tpot_s
+        return tpot is None or tpot <= slo_tpot_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {"arrival_s": self.arrival_s, "input_len": self.input_len, "output_len": self.output_len,
+                "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "ok": self.ok,
+                "error": self.error}
+
+
+class Goodput(NamedTuple):
+    rps: float
+    is_lower_bound: bool  # every measured rate up to the last finite one met the target
+
+
+def latency_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """mean/p50/p90/p99 in ms (numpy's linear interpolation between order statistics); None when empty."""
+    if not values_s:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return {"mean": float(ms.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def attainment(records: Sequence[RequestRecord], slo_ttft_s: float, slo_tpot_s: float) -> float:
+    """Fraction of all sent requests (failed ones included, as misses) meeting both SLOs; 0.0 when none."""
+    if not records:
+        return 0.0
+    return sum(r.meets(slo_ttft_s, slo_tpot_s) for r in records) / len(records)
+
+
+def goodput(rates: Sequence[float], attainments: Sequence[float], target: float = ATTAINMENT_TARGET) -> Goodput:
+    """The highest rate that still meets `target`, read off the curve where it first drops below it.
+
+    Rates are sorted ascending. Let r_i be the last rate of the leading run of rates
+    that meet the target, and r_j the rate right after it (which misses). Then
+
+        goodput = r_i + (a_i - target) / (a_i - a_j) * (r_j - r_i)
+
+    (the linear crossing of the target between the two measured points). A rate that
+    meets the target again after a miss is not counted: that is noise, and goodput
+    claims the system holds the SLOs at every rate up to it.
+
+    - The lowest rate misses: 0.0. Nothing is assumed below the lowest measured rate
+      (attainment at rate -> 0 is not 1.0 when an idle request already misses a SLO).
+    - Every finite rate meets: the highest finite rate, flagged as a lower bound.
+      Likewise when the rate after r_i is inf: one cannot interpolate toward inf.
+    """
+    points = sorted(zip(rates, attainments))
+    last_met = None
+    for index, (_, att) in enumerate(points):
+        if att < target:
+            break
+        last_met = index
+    if last_met is None:
+        return Goodput(0.0, False)
+    after = last_met + 1
+    finite_met = [r for r, _ in points[:after] if math.isfinite(r)]
+    best_finite = finite_met[-1] if finite_met else 0.0
+    if after == len(points) or not math.isfinite(points[after][0]):
+        return Goodput(best_finite, True)
+    (r_i, a_i), (r_j, a_j) = points[last_met], points[after]
+    return Goodput(r_i + (a_i - target) / (a_i - a_j) * (r_j - r_i), False)
+
+
+def rate_to_json(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def rate_from_json(value: float | str) -> float:
+    return float(value)  # float("inf") parses the "inf" string
+
+
+def summarize_rate(rate: float, duration_s: float, records: Sequence[RequestRecord], slo_ttft_s: float,
+                   slo_tpot_s: float) -> dict[str, Any]:
+    """One entry of results.json's `rates`: throughput, latency percentiles (ok requests), attainment."""
+    ok = [r for r in records if r.ok]
+    seconds = duration_s if duration_s > 0 else math.inf  # nothing finished: throughputs are 0
+    return {
+        "rate": rate_to_json(rate),
+        "duration_s": duration_s,
+        "num_requests": len(records),
+        "num_ok": len(ok),
+        "request_throughput": len(ok) / seconds,
+        "output_throughput": sum(r.output_len for r in ok) / seconds,
+        "ttft_ms": latency_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": latency_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "e2e_ms": latency_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "attainment": attainment(records, slo_ttft_s, slo_tpot_s),
+        "requests": [r.to_json() for r in records],
+    }
+
+
+def results_document(label: str, url: str, model: str, workload: dict[str, Any], slo_ttft_ms: float,
+                     slo_tpot_ms: float, rates: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole results.json: the run's settings, its goodput and each rate's summary."""
+    found = goodput([rate_from_json(r["rate"]) for r in rates], [r["attainment"] for r in rates])
+    return {"label": label, "url": url, "model": model, "workload": workload,
+            "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
+            "goodput_rps": found.rps, "goodput_is_lower_bound": found.is_lower_bound, "rates": rates}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_summary(results: dict[str, Any]) -> str:
+    """The table printed at the end of a run: one row per rate, then the goodput."""
+    header = (f"{'rate':>8} {'ok/sent':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} {'p90':>8} "
+              f"{'p99':>8} {'attain':>7}")
+    lines = [header, " " * 19 + "(ms)" + " " * 23 + "(ms)"]
+    for r in results["rates"]:
+        ttft, tpot = r["ttft_ms"], r["tpot_ms"]
+        lines.append(f"{r['rate']!s:>8} {r['num_ok']:>4}/{r['num_requests']:<4} {_ms(ttft['p50']):>9} "
+                     f"{_ms(ttft['p90']):>8} {_ms(ttft['p99']):>8} {_ms(tpot['p50']):>9} {_ms(tpot['p90']):>8} "
+                     f"{_ms(tpot['p99']):>8} {r['attainment'] * 100:>6.1f}%")
+    lines.append(goodput_line(results))
+    return "\n".join(lines)
+
+
+def goodput_line(results: dict[str, Any]) -> str:
+    slo = results["slo"]
+    bound = ">= " if results["goodput_is_lower_bound"] else ""
+    return (f"goodput: {bound}{results['goodput_rps']:.2f} req/s at {ATTAINMENT_TARGET:.0%} attainment "
+            f"(TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms)")
