@@ -50,10 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=None, help="clip each request to input+output <= this")
     parser.add_argument("--slo-ttft-ms", type=float, default=300.0, help="time-to-first-token SLO")
     parser.add_argument("--slo-tpot-ms", type=float, default=60.0, help="time-per-output-token SLO")
-    parser.add_argument("--out", default=None, help="folder for results.json and the charts")
+    parser.add_argument("--out", default=None,
+                        help="folder for results.json and the charts (optional with --compare: then only a table)")
     parser.add_argument("--label", default=None, help="name of this configuration (default: the --out folder name)")
     parser.add_argument("--compare", nargs="+", metavar="DIR", default=None,
-                        help="overlay earlier result folders into --out/attainment.png; sends no request")
+                        help="print the goodput of earlier result folders and overlay them in --out/attainment.png; "
+                             "sends no request")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
                         help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)")
 
@@ -134,19 +136,19 @@ def _vocab_size(args: argparse.Namespace, card: dict[str, Any]) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    if not args.out:
-        raise ValueError("--out: a folder for the comparison chart is required with --compare")
+    """Prints each folder's goodput; with --out, also overlays their attainment curves in one chart."""
     runs = [json.loads((Path(d) / "results.json").read_text()) for d in args.compare]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plots.plot_attainment(runs, out / "attainment.png")
     width = max(len("label"), *(len(r["label"]) for r in runs))
     print(f"{'label':<{width}}  goodput (req/s)  SLO (TTFT/TPOT ms)")
     for r in runs:
         bound = ">= " if r["goodput_is_lower_bound"] else ""
         print(f"{r['label']:<{width}}  {bound + format(r['goodput_rps'], '.2f'):>15}  "
               f"{r['slo']['ttft_ms']:g}/{r['slo']['tpot_ms']:g}")
-    print(f"chart: {out / 'attainment.png'}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plots.plot_attainment(runs, out / "attainment.png")
+        print(f"chart: {out / 'attainment.png'}")
     return 0
 
 

@@ -154,14 +154,14 @@ def _ms(value: float | None) -> str:
 
 def format_summary(results: dict[str, Any]) -> str:
     """The table printed at the end of a run: one row per rate, then the goodput."""
-    header = (f"{'rate':>8} {'ok/sent':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} {'p90':>8} "
-              f"{'p99':>8} {'attain':>7}")
-    lines = [header, " " * 19 + "(ms)" + " " * 23 + "(ms)"]
+    header = (f"{'rate':>7} {'ok/sent':>9} {'TTFT ms p50':>12} {'p90':>7} {'p99':>7} {'TPOT ms p50':>12} {'p90':>7} "
+              f"{'p99':>7} {'attain':>7}")
+    lines = [header]
     for r in results["rates"]:
         ttft, tpot = r["ttft_ms"], r["tpot_ms"]
-        lines.append(f"{r['rate']!s:>8} {r['num_ok']:>4}/{r['num_requests']:<4} {_ms(ttft['p50']):>9} "
-                     f"{_ms(ttft['p90']):>8} {_ms(ttft['p99']):>8} {_ms(tpot['p50']):>9} {_ms(tpot['p90']):>8} "
-                     f"{_ms(tpot['p99']):>8} {r['attainment'] * 100:>6.1f}%")
+        lines.append(f"{rate_from_json(r['rate']):>7g} {str(r['num_ok']) + '/' + str(r['num_requests']):>9} "
+                     f"{_ms(ttft['p50']):>12} {_ms(ttft['p90']):>7} {_ms(ttft['p99']):>7} {_ms(tpot['p50']):>12} "
+                     f"{_ms(tpot['p90']):>7} {_ms(tpot['p99']):>7} {r['attainment'] * 100:>6.1f}%")
     lines.append(goodput_line(results))
     return "\n".join(lines)
 

@@ -179,3 +179,5 @@ def test_cli_run_writes_results_charts_and_compares(server, tmp_path, capsys):
     assert cli.main(["--compare", str(out), str(out), "--out", str(tmp_path / "cmp")]) == 0
     printed = capsys.readouterr().out
     assert printed.count(">= 20.00") == 2 and (tmp_path / "cmp" / "attainment.png").stat().st_size > 0
+    assert cli.main(["--compare", str(out)]) == 0  # no --out: the table only
+    assert capsys.readouterr().out.splitlines()[1].split() == ["disagg", ">=", "20.00", "5000/5000"]
