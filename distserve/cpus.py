@@ -38,8 +38,9 @@ def format_cpu_list(cpus: list[int]) -> str:
     return ",".join(str(cpu) for cpu in cpus)
 
 
-def split_cores(available: list[int], num_prefill: int, num_decode: int) -> list[list[int]]:
-    """Assigns cores to N = num_prefill + num_decode workers, in the order prefill-0.., then decode-0...
+def split_cores(available: list[int], num_prefill: int, num_decode: int, num_colocated: int = 0) -> list[list[int]]:
+    """Assigns cores to N = num_prefill + num_decode + num_colocated workers, in the order prefill-0..,
+    decode-0.., then colocated-0...
 
     With at least as many cores as workers, every worker gets its own contiguous,
     disjoint run of `available` (in the order given): each gets len(available) // N
@@ -51,7 +52,7 @@ def split_cores(available: list[int], num_prefill: int, num_decode: int) -> list
     (round-robin) and a warning is logged, since workers on one core slow each other down.
     2 cores, 2+2: [[0], [1], [0], [1]].
     """
-    num_workers = num_prefill + num_decode
+    num_workers = num_prefill + num_decode + num_colocated
     if num_workers == 0:
         return []
     if not available:

@@ -65,12 +65,14 @@ class ClusterSpec:
     model: str
     num_prefill: int = 1
     num_decode: int = 1
+    num_colocated: int = 0  # workers that prefill and decode in one process
     router_port: int = 50051
     broker_port: int = 50060
     prefill_base_port: int = 50070
     decode_base_port: int = 50080
+    colocated_base_port: int = 50090
     redis_port: int = 6390
-    metrics_base_port: int = 9100  # router +0, kvbroker +1, prefill +10+i, decode +20+i; 0: free ports
+    metrics_base_port: int = 9100  # router +0, kvbroker +1, prefill +10+i, decode +20+i, colocated +30+i; 0: free
     gateway_port: int | None = 8000  # None: no HTTP gateway
     gateway_args: list[str] = dataclasses.field(default_factory=list)
     redis_url: str = ""  # use this Redis instead of starting one
@@ -78,21 +80,23 @@ class ClusterSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     prefill_args: list[str] = dataclasses.field(default_factory=list)
     decode_args: list[str] = dataclasses.field(default_factory=list)
+    colocated_args: list[str] = dataclasses.field(default_factory=list)
     cpus: str = ""  # cores to split among the workers, e.g. 0-3; empty: those the launcher may run on
     share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
 
 
 def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
-    """Cores of each worker, by process name (prefill-0.., decode-0..); see split_cores for the policy."""
+    """Cores of each worker, by process name (prefill-0.., decode-0.., colocated-0..); see split_cores."""
     allowed = os.sched_getaffinity(0)
     available = parse_cpu_list(spec.cpus) if spec.cpus else sorted(allowed)
     if not set(available) <= allowed:
         raise ConfigError(f"cpus: cores {sorted(set(available) - allowed)} are not available "
                           f"(this process may use {sorted(allowed)})")
-    names = [f"prefill-{i}" for i in range(spec.num_prefill)] + [f"decode-{i}" for i in range(spec.num_decode)]
+    names = ([f"prefill-{i}" for i in range(spec.num_prefill)] + [f"decode-{i}" for i in range(spec.num_decode)]
+             + [f"colocated-{i}" for i in range(spec.num_colocated)])
     if spec.share_cores:
         return {name: available for name in names}
-    return dict(zip(names, split_cores(available, spec.num_prefill, spec.num_decode)))
+    return dict(zip(names, split_cores(available, spec.num_prefill, spec.num_decode, spec.num_colocated)))
 
 
 @dataclasses.dataclass
@@ -154,6 +158,10 @@ class Cluster:
         for i in range(spec.num_decode):
             self.start_service(f"decode-{i}", "services.decode", f"127.0.0.1:{self._port(spec.decode_base_port, i)}",
                                spec.decode_args, self._port(metrics, 20 + i))
+        for i in range(spec.num_colocated):
+            self.start_service(f"colocated-{i}", "services.colocated",
+                               f"127.0.0.1:{self._port(spec.colocated_base_port, i)}", spec.colocated_args,
+                               self._port(metrics, 30 + i))
         self.start_service("router", "services.router", f"127.0.0.1:{self._port(spec.router_port)}", [],
                            self._port(metrics))
         for process in self.processes.values():
@@ -204,7 +212,7 @@ class Cluster:
             cpus = self.worker_cpus[name]
             argv += ["--cpus", format_cpu_list(cpus)]
             env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's OpenMP pool is sized at import
-        if module in ("services.prefill", "services.decode"):
+        if module in ("services.prefill", "services.decode", "services.colocated"):
             env.update({k: v for k, v in WORKER_MALLOC_ENV.items() if k not in os.environ})
         argv += extra_args
         process = self._spawn(name, argv, env)

@@ -71,6 +71,20 @@ class DecodeMetrics:
         self.success = Counter(PREFIX + "request_success", "Finished sequences", ["finished_reason"])
 
 
+class ColocatedMetrics:
+    def __init__(self) -> None:
+        self.queue_time = _hist("request_queue_time_seconds", "Time waiting for the first prefill step",
+                                REQUEST_BUCKETS)
+        self.prefill_time = _hist("request_prefill_time_seconds", "First to last prefill step", REQUEST_BUCKETS)
+        self.decode_time = _hist("request_decode_time_seconds", "Time in the running batch", REQUEST_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled")
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated after the first")
+        self.success = Counter(PREFIX + "request_success", "Finished sequences", ["finished_reason"])
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        self.running = Gauge(PREFIX + "num_requests_running", "Sequences decoding")
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Prompts waiting for (more) prefill")
+
+
 class BrokerMetrics:
     def __init__(self) -> None:
         self.operations = Counter(PREFIX + "kv_handle_operations", "Handle operations", ["operation", "outcome"])

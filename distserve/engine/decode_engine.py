@@ -10,8 +10,10 @@ import asyncio
 import logging
 import time
 
+import torch
+
 from distserve.engine.kv_cache import PagedKvCache
-from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_runner import DecodeWork, ModelRunner
 from distserve.engine.sampling import banned_token_ids, finish_reason_for, sample_token
 from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.sequence import Sequence
@@ -41,13 +43,15 @@ class StepStats:
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, kv_cache: PagedKvCache, scheduler: DecodeScheduler,
-                 eos_ids: tuple[int, ...], max_context: int):
+                 eos_ids: tuple[int, ...], max_context: int, wakeup: asyncio.Event | None = None):
+        """`wakeup` is set whenever a sequence arrives or is aborted (pass a shared one when another
+        loop, such as the colocated engine's, drives this engine instead of `run`)."""
         self.runner = runner
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self._eos_ids = eos_ids
         self._max_context = max_context
-        self._wakeup = asyncio.Event()
+        self._wakeup = wakeup or asyncio.Event()
         self._blocks_freed = asyncio.Event()
         scheduler.allocator.on_free = self._blocks_freed.set
         self.step_stats = StepStats()
@@ -74,25 +78,34 @@ class DecodeEngine:
         """Steps while there is work; runs until cancelled."""
         while True:
             await self._wakeup.wait()
-            batch = self.scheduler.schedule()
+            batch = self.begin()
             if batch:
-                now = time.monotonic()
-                for seq in batch:
-                    seq.started_at = seq.started_at or now
                 try:
                     started = time.perf_counter()
                     tokens = await asyncio.to_thread(self._step, batch)
                     self.step_stats.add(len(batch), time.perf_counter() - started, self._step_compute_s)
                 except Exception as exc:  # a failed step ends its batch's requests, not the worker
-                    log.exception("decode step failed")
-                    for seq in batch:
-                        seq.is_aborted = True
-                        seq.outputs.put_nowait(exc)
+                    self.fail(batch, exc)
                     tokens = None
                 if tokens is not None:
-                    self._postprocess(batch, tokens)
+                    self.postprocess(batch, tokens)
             if not self.scheduler.has_work():
                 self._wakeup.clear()
+
+    def begin(self) -> list[Sequence]:
+        """This step's batch (see DecodeScheduler.schedule), each sequence stamped with its start."""
+        batch = self.scheduler.schedule()
+        now = time.monotonic()
+        for seq in batch:
+            seq.started_at = seq.started_at or now
+        return batch
+
+    def fail(self, batch: list[Sequence], exc: Exception) -> None:
+        """A failed step ends its batch's requests, not the worker."""
+        log.exception("decode step failed: %r", exc)  # called from the except block
+        for seq in batch:
+            seq.is_aborted = True
+            seq.outputs.put_nowait(exc)
 
     def _step(self, batch: list[Sequence]) -> list[int | Exception]:
         """One forward for the batch, then a token per sequence (or that sequence's sampling error)."""
@@ -103,10 +116,16 @@ class DecodeEngine:
             self._step_compute_s = time.perf_counter() - started
 
     def _forward_and_sample(self, batch: list[Sequence]) -> list[int | Exception]:
-        logits = self.runner.decode(
-            self.kv_cache, [s.block_table for s in batch], [s.context_len for s in batch],
-            [s.tokens[-1] for s in batch],
-        )
+        work = self.work(batch)
+        return self.sample(batch, self.runner.decode(work.kv_cache, work.tables, work.context_lens, work.input_ids))
+
+    def work(self, batch: list[Sequence]) -> DecodeWork:
+        """The runner's view of a batch: each sequence's last token at its context length."""
+        return DecodeWork(self.kv_cache, [s.block_table for s in batch], [s.context_len for s in batch],
+                          [s.tokens[-1] for s in batch])
+
+    def sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
+        """A token per sequence from logits [B, V] (or that sequence's sampling error)."""
         greedy = logits.argmax(-1).tolist()  # one batched argmax serves every plain greedy sequence
         tokens: list[int | Exception] = []
         for b, seq in enumerate(batch):
@@ -123,7 +142,7 @@ class DecodeEngine:
                 tokens.append(exc)
         return tokens
 
-    def _postprocess(self, batch: list[Sequence], tokens: list[int | Exception]) -> None:
+    def postprocess(self, batch: list[Sequence], tokens: list[int | Exception]) -> None:
         for seq, token in zip(batch, tokens):
             if seq.is_aborted:
                 continue

@@ -72,3 +72,15 @@ def load_model_spec(path: str) -> ModelSpec:
     except OSError:  # the folder has no generation_config.json
         generation_config = None
     return ModelSpec.from_config(AutoConfig.from_pretrained(path), generation_config)
+
+
+def prompt_error(tokens, spec: ModelSpec) -> str | None:
+    """Why a prompt cannot be served, or None. The router checks first; this guards workers' direct callers."""
+    if not tokens:
+        return "prompt_token_ids: must not be empty"
+    if len(tokens) >= spec.max_context:
+        return f"prompt_token_ids: {len(tokens)} tokens leave no room in the context of {spec.max_context}"
+    bad = next((t for t in tokens if not 0 <= t < spec.vocab_size), None)
+    if bad is not None:
+        return f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {spec.vocab_size})"
+    return None

@@ -92,13 +92,16 @@ class _Slice:
 
 
 class PrefillBatcher:
-    def __init__(self, runner: ModelRunner, eos_ids: tuple[int, ...], max_context: int, max_batch_tokens: int):
+    def __init__(self, runner: ModelRunner, eos_ids: tuple[int, ...], max_context: int, max_batch_tokens: int,
+                 wakeup: asyncio.Event | None = None):
+        """`wakeup` is set whenever a prompt arrives (pass a shared one when another loop, such as
+        the colocated engine's, drives this batcher instead of `run`)."""
         self._runner = runner
         self._eos_ids = eos_ids
         self._max_context = max_context
-        self._max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = max_batch_tokens
         self._waiting: list[_Pending] = []
-        self._wakeup = asyncio.Event()
+        self._wakeup = wakeup or asyncio.Event()
         self.num_batches = 0
         self.max_batch_size = 0
         self.num_running_tokens = 0
@@ -119,11 +122,12 @@ class PrefillBatcher:
         self._wakeup.set()
         return await pending.future
 
-    def _take_batch(self) -> list[_Slice]:
-        """Picks the next forward's slices (see the module docstring); finished prompts leave the queue."""
+    def take_batch(self, budget: int) -> list[_Slice]:
+        """Picks the next forward's slices, at most `budget` tokens (see the module docstring);
+        prompts whose last chunk is taken leave the queue."""
         self._waiting = [p for p in self._waiting if not p.future.done()]
         order = sorted(self._waiting, key=lambda p: p.num_skipped < MAX_SKIPS)  # stable: starving first
-        budget, taken = self._max_batch_tokens, {}
+        taken = {}
         for pending in order:  # whole prompts that fit; a starving one takes what it can
             if pending.num_remaining <= budget or (pending.num_skipped >= MAX_SKIPS and budget):
                 taken[id(pending)] = _Slice(pending, min(pending.num_remaining, budget))
@@ -142,27 +146,39 @@ class PrefillBatcher:
         """The batching loop; runs until cancelled."""
         while True:
             await self._wakeup.wait()
-            batch = self._take_batch()
+            batch = self.take_batch(self.max_batch_tokens)
             if not batch:
                 self._wakeup.clear()
                 continue
-            self.num_batches += 1
-            self.max_batch_size = max(self.max_batch_size, len(batch))
-            self.num_running_tokens = sum(s.num_tokens for s in batch)
-            self.num_running = len(batch)
+            self.begin(batch)
             try:
                 results = await asyncio.to_thread(self._forward, batch)
             except Exception as exc:  # a failed forward fails its requests, not the worker
-                for piece in batch:
-                    self._fail(piece.pending, exc)
+                self.fail(batch, exc)
                 continue
-            finally:
-                self.num_running_tokens = self.num_running = 0
-            for piece, result in zip([s for s in batch if s.is_last], results):
-                if isinstance(result, Exception):
-                    self._fail(piece.pending, result)
-                elif not piece.pending.future.done():
-                    piece.pending.future.set_result(result)
+            self.deliver(batch, results)
+
+    def begin(self, batch: list[_Slice]) -> None:
+        """Counts a taken batch as running (for load reports) until `deliver` or `fail`."""
+        self.num_batches += 1
+        self.max_batch_size = max(self.max_batch_size, len(batch))
+        self.num_running_tokens = sum(s.num_tokens for s in batch)
+        self.num_running = len(batch)
+
+    def deliver(self, batch: list[_Slice], results: list[PrefillResult | Exception]) -> None:
+        """Hands each finishing prompt its result (from `finish`)."""
+        self.num_running_tokens = self.num_running = 0
+        for piece, result in zip([s for s in batch if s.is_last], results):
+            if isinstance(result, Exception):
+                self._fail(piece.pending, result)
+            elif not piece.pending.future.done():
+                piece.pending.future.set_result(result)
+
+    def fail(self, batch: list[_Slice], exc: Exception) -> None:
+        """A failed forward fails its batch's requests, not the worker."""
+        self.num_running_tokens = self.num_running = 0
+        for piece in batch:
+            self._fail(piece.pending, exc)
 
     def _fail(self, pending: _Pending, exc: Exception) -> None:
         if pending in self._waiting:
@@ -173,6 +189,11 @@ class PrefillBatcher:
     def _forward(self, batch: list[_Slice]) -> list[PrefillResult | Exception]:
         """Runs the batch; returns a result (or that prompt's sampling error) per finishing prompt."""
         started, start_ns = time.monotonic(), time.time_ns()
+        logits = self._runner.prefill_chunks(self.works(batch, started, start_ns))
+        return self.finish(batch, logits)
+
+    def works(self, batch: list[_Slice], started: float, start_ns: int) -> list[PrefillWork]:
+        """The runner's view of a batch; a prompt's KV buffer is allocated at its first chunk."""
         works = []
         for piece in batch:
             pending = piece.pending
@@ -181,8 +202,12 @@ class PrefillBatcher:
                 pending.started_at, pending.started_ns = started, start_ns
             begin = pending.num_computed
             works.append(PrefillWork(pending.prompt[begin:begin + piece.num_tokens], begin, pending.kv, piece.is_last))
+        return works
+
+    def finish(self, batch: list[_Slice], logits: torch.Tensor) -> list[PrefillResult | Exception]:
+        """After the forward: advances every prompt, samples each finishing prompt's first token from
+        its row of logits [num finishing, V]."""
         finishing = [s for s in batch if s.is_last]
-        logits = self._runner.prefill_chunks(works)
         ended, end_ns = time.monotonic(), time.time_ns()
         for piece in batch:
             piece.pending.num_computed += piece.num_tokens

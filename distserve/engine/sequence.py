@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import AsyncIterator
 
 from distserve.engine.sampling import FinishReason, SamplingParams
 
@@ -31,3 +32,22 @@ class Sequence:
     def context_len(self) -> int:
         """Tokens whose KV is in the cache."""
         return len(self.tokens) - 1
+
+
+async def stream_outputs(seq: Sequence) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
+    """The sequence's tokens as the engine posts them, coalescing whatever queued up meanwhile into
+    one message; ends after the message carrying the finish reason. Raises the engine's error for
+    this sequence (e.g. a failed step) if one is posted."""
+    while True:
+        item = await seq.outputs.get()
+        if isinstance(item, Exception):
+            raise item
+        token_ids, finish = item
+        while finish is None and not seq.outputs.empty():
+            more = seq.outputs.get_nowait()
+            if isinstance(more, Exception):
+                raise more
+            token_ids, finish = token_ids + more[0], more[1]
+        yield token_ids, finish
+        if finish is not None:
+            return

@@ -18,7 +18,7 @@ from distserve.transfer.connector import KvConsumer, TransferError
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
 from services.decode.config import DecodeConfig
 from distserve.engine.decode_engine import DecodeEngine
-from distserve.engine.sequence import Sequence
+from distserve.engine.sequence import Sequence, stream_outputs
 
 log = logging.getLogger(__name__)
 
@@ -138,16 +138,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return transfer_s
 
     async def _stream(self, seq: Sequence, transfer_s: float):
-        while True:
-            item = await seq.outputs.get()
-            if isinstance(item, Exception):
-                raise item
-            token_ids, finish = item
-            while finish is None and not seq.outputs.empty():
-                more = seq.outputs.get_nowait()
-                if isinstance(more, Exception):
-                    raise more
-                token_ids, finish = token_ids + more[0], more[1]
+        async for token_ids, finish in stream_outputs(seq):
             response = decode_pb2.DecodeResponse(token_ids=token_ids, finish_reason=finish_to_proto(finish))
             self._metrics.generation_tokens.inc(len(token_ids))
             if finish is not None:
@@ -155,8 +146,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     transfer_s=transfer_s, decode_queue_s=seq.started_at - seq.loaded_at,
                     decode_s=seq.finished_at - seq.started_at))
             yield response
-            if finish is not None:
-                return
 
     def _record_finish(self, seq: Sequence, finish) -> None:
         rid = seq.request_id

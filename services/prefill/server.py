@@ -12,7 +12,7 @@ import grpc
 from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
-from distserve.engine.model_spec import ModelSpec
+from distserve.engine.model_spec import ModelSpec, prompt_error
 from distserve.metrics import PrefillMetrics
 from distserve.transfer.connector import KvProducer
 from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
@@ -24,18 +24,6 @@ log = logging.getLogger(__name__)
 
 
 HANDLE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def prompt_error(tokens, spec: ModelSpec) -> str | None:
-    """Why a prompt cannot be served, or None. The router checks first; this guards direct callers."""
-    if not tokens:
-        return "prompt_token_ids: must not be empty"
-    if len(tokens) >= spec.max_context:
-        return f"prompt_token_ids: {len(tokens)} tokens leave no room in the context of {spec.max_context}"
-    bad = next((t for t in tokens if not 0 <= t < spec.vocab_size), None)
-    if bad is not None:
-        return f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {spec.vocab_size})"
-    return None
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):

@@ -25,7 +25,7 @@ class WorkerPicker:
     def __init__(self, registry: WorkerRegistry, suspect_s: float):
         self._registry = registry
         self._suspect_s = suspect_s
-        self._workers: dict[str, list[WorkerRecord]] = {"prefill": [], "decode": []}
+        self._workers: dict[str, list[WorkerRecord]] = {"prefill": [], "decode": [], "colocated": []}
         self._inflight: collections.Counter[str] = collections.Counter()
         self._suspect_until: dict[str, float] = {}
 
@@ -50,6 +50,28 @@ class WorkerPicker:
     def pick_prefill(self) -> WorkerRecord | None:
         return min(self.workers("prefill"), default=None,
                    key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id])
+
+    def pick_colocated(self, num_tokens: int = 0) -> WorkerRecord | None:
+        """The colocated worker with the fewest outstanding prompt tokens (then fewest decoding) whose
+        KV cache can hold num_tokens at all."""
+        def score(w: WorkerRecord):
+            return (w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id], w.load.get("num_running", 0))
+
+        fits = [w for w in self.workers("colocated")
+                if w.load.get("total_blocks", float("inf")) * w.load.get("block_size", 1) >= num_tokens]
+        return min(fits, default=None, key=score)
+
+    def prefers_colocated(self, colocated: WorkerRecord | None, prefill: WorkerRecord | None) -> bool:
+        """In a mixed fleet, whether a request goes to `colocated` rather than the prefill/decode pair:
+        the one with fewer outstanding prompt tokens (what delays the first token); ties go to the
+        pair, whose decode steps no prompt lengthens."""
+        if colocated is None or prefill is None:
+            return colocated is not None
+
+        def outstanding(w: WorkerRecord) -> float:
+            return w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id]
+
+        return outstanding(colocated) < outstanding(prefill)
 
     def pick_decode(self, num_tokens: int = 0, kv_format: str = "") -> WorkerRecord | None:
         """The least-loaded decode worker whose KV cache can hold num_tokens at all, and takes KV of

@@ -20,7 +20,7 @@ from distserve.engine.sampling import FinishReason, SamplingParams
 from distserve.grpc_server import ChannelPool
 from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
-from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.picker import WorkerPicker
 from services.router.text_stream import TextStream
@@ -72,6 +72,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     "router.generate", request_id, **{"gen_ai.operation.name": "text_completion",
                                                       "gen_ai.request.model": self._model_name}):
                 req = await self._accept(request, request_id, context)
+                colocated = await self._route_colocated(req, context)
+                if colocated is not None:
+                    async for message in self._run_colocated(req, colocated, context):
+                        yield message
+                    return
                 prefill_worker, decode_worker = await self._route(req, context)
                 # The decode worker counts as loaded from the moment it is chosen, so concurrent
                 # requests spread out instead of all seeing the same idle worker.
@@ -95,6 +100,62 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             "gen_ai.usage.input_tokens": len(prompt)})
         self._metrics.prompt_tokens.inc(len(prompt))
         return _Request(request_id, prompt, params, TextStream(self._tokenizer, params.stop), time.monotonic())
+
+    async def _route_colocated(self, req: _Request, context) -> WorkerRecord | None:
+        """The colocated worker to send the whole request to, or None for the prefill/decode path."""
+        if not self._picker.workers("colocated"):
+            return None
+        num_tokens = min(len(req.prompt) + req.params.max_tokens, self._spec.max_context)
+        colocated = self._picker.pick_colocated(num_tokens)
+        prefill = self._picker.pick_prefill() if self._picker.workers("decode") else None
+        if colocated is None and prefill is None:
+            self._metrics.failures.labels(code="RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"prompt + max_tokens need KV for {num_tokens} tokens; no colocated worker has "
+                                "that much KV cache")
+        if not self._picker.prefers_colocated(colocated, prefill):
+            return None
+        with tracing.span("route", req.request_id) as span:
+            span.set_attributes({"distserve.colocated.worker": colocated.worker_id,
+                                 "distserve.colocated.reason": "fewest outstanding prompt tokens "
+                                 f"({colocated.load.get('outstanding_tokens', 0)} reported)",
+                                 "distserve.colocated.candidates": len(self._picker.workers("colocated"))})
+        log.info("route request_id=%s colocated=%s prompt_tokens=%d", req.request_id, colocated.worker_id,
+                 len(req.prompt))
+        return colocated
+
+    async def _run_colocated(self, req: _Request, worker: WorkerRecord, context):
+        """Streams the whole request from one colocated worker."""
+        stub = colocated_pb2_grpc.ColocatedServiceStub(self._channels.get(worker.address))
+        call = stub.PrefillAndDecode(colocated_pb2.PrefillAndDecodeRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt, sampling=sampling_to_proto(req.params),
+        ), timeout=self._config.request_timeout_s)
+        timings = common_pb2.Timings()
+        try:
+            with self._picker.track(worker, len(req.prompt)):  # until the first token: prompt tokens in flight
+                response = await call.read()
+            while response is not grpc.aio.EOF:
+                finish = finish_from_proto(response.finish_reason)
+                is_first = not timings.first_token_s
+                if is_first or finish is not None:
+                    timings.MergeFrom(response.timings)
+                if is_first:
+                    timings.first_token_s = time.monotonic() - req.started
+                    self._metrics.ttft.observe(timings.first_token_s)
+                message = self._chunk(req, list(response.token_ids), finish, timings)
+                if is_first:
+                    message.prefill_worker = message.decode_worker = worker.worker_id
+                if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    yield message
+                    if finish is not None:
+                        await call.read()  # the stream's end; keeps the worker's spans inside this request's
+                    return
+                yield message
+                response = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            await self._abort_for(exc, worker, "colocated", context)
+        finally:
+            call.cancel()
 
     async def _route(self, req: _Request, context) -> tuple[WorkerRecord, WorkerRecord]:
         with tracing.span("route", req.request_id) as span:

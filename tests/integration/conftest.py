@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from distserve.launcher import Cluster, ClusterSpec
-from distserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from distserve.v1 import colocated_pb2, colocated_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.otlp_receiver import OtlpReceiver
 
 WORKER_LEASE_S = 2.0
@@ -46,22 +46,27 @@ def cluster(tiny_model_path, tmp_path_factory, otlp_receiver):
     cluster.stop()
 
 
-def wait_for_workers(cluster: Cluster, num_prefill: int, num_decode: int, timeout_s: float = 30) -> None:
+def wait_for_workers(cluster: Cluster, num_prefill: int, num_decode: int, timeout_s: float = 30,
+                     num_colocated: int = 0) -> None:
     """Waits until the registry lists the workers and the router has had time to read it."""
     client = redis.Redis.from_url(cluster.redis_url)
     deadline = time.monotonic() + timeout_s
+    wanted = [num_prefill, num_decode, num_colocated]
     while time.monotonic() < deadline:
-        counts = [len(client.keys(f"distserve:worker:{role}:*")) for role in ("prefill", "decode")]
-        if counts == [num_prefill, num_decode]:
+        counts = [len(client.keys(f"distserve:worker:{role}:*")) for role in ("prefill", "decode", "colocated")]
+        if counts == wanted:
             time.sleep(1.0)  # router refresh interval is 0.5 s
             return
         time.sleep(0.1)
-    raise AssertionError(f"registry never showed {num_prefill} prefill / {num_decode} decode workers")
+    raise AssertionError(f"registry never showed {wanted} prefill / decode / colocated workers")
 
 
 def worker_stats(cluster: Cluster, name: str):
     address = cluster.processes[name].address
     with grpc.insecure_channel(address) as channel:
+        if name.startswith("colocated"):
+            return colocated_pb2_grpc.ColocatedServiceStub(channel).GetColocatedStats(
+                colocated_pb2.GetColocatedStatsRequest(), timeout=10)
         if name.startswith("prefill"):
             return prefill_pb2_grpc.PrefillServiceStub(channel).GetPrefillStats(
                 prefill_pb2.GetPrefillStatsRequest(), timeout=10)
@@ -77,7 +82,7 @@ def leftover_state(cluster: Cluster) -> dict:
             continue
         if name.startswith("prefill"):
             state[name] = worker_stats(cluster, name).num_held_handles
-        elif name.startswith("decode"):
+        elif name.startswith(("decode", "colocated")):
             state[name] = worker_stats(cluster, name).num_used_blocks
     return state
 

@@ -6,10 +6,16 @@ from distserve.registry import WorkerRecord
 from services.router.picker import WorkerPicker
 
 
-def picker_with(prefill: list[WorkerRecord], decode: list[WorkerRecord]) -> WorkerPicker:
+def picker_with(prefill: list[WorkerRecord], decode: list[WorkerRecord],
+                colocated: list[WorkerRecord] = ()) -> WorkerPicker:
     picker = WorkerPicker(registry=None, suspect_s=5.0)
-    picker._workers = {"prefill": prefill, "decode": decode}
+    picker._workers = {"prefill": prefill, "decode": decode, "colocated": list(colocated)}
     return picker
+
+
+def colocated(worker_id: str, outstanding: int = 0, running: int = 0, total: int = 100):
+    load = {"outstanding_tokens": outstanding, "num_running": running, "total_blocks": total, "block_size": 16}
+    return WorkerRecord(worker_id, "colocated", f"{worker_id}:1", load=load)
 
 
 def decode(worker_id: str, running: int = 0, free: int = 100, total: int = 100, fmt: str = "2x2x16:float32"):
@@ -46,3 +52,23 @@ def test_suspect_worker_is_skipped():
     picker = picker_with([], [a, b])
     picker.mark_suspect(a)
     assert picker.pick_decode(10) is b
+
+
+def test_colocated_with_fewest_outstanding_tokens_that_can_hold_the_request():
+    busy, idle, tiny = colocated("busy", outstanding=500), colocated("idle", running=9), colocated("tiny", total=1)
+    picker = picker_with([], [], [busy, idle, tiny])
+    assert picker.pick_colocated(num_tokens=10) is tiny  # fewest outstanding, then fewest running
+    assert picker.pick_colocated(num_tokens=100) is idle  # tiny holds only 16 tokens
+    with picker.track(idle, 600):
+        assert picker.pick_colocated(num_tokens=100) is busy
+    assert picker.pick_colocated(num_tokens=5000) is None
+
+
+def test_mixed_fleet_prefers_the_less_loaded_kind_and_ties_go_to_the_pair():
+    pair = WorkerRecord("p", "prefill", "p:1", load={"outstanding_tokens": 100})
+    picker = picker_with([pair], [decode("d")], [colocated("c", outstanding=100)])
+    both = picker.workers("colocated")[0], pair
+    assert not picker.prefers_colocated(*both)
+    with picker.track(pair, 1):
+        assert picker.prefers_colocated(*both)
+    assert picker.prefers_colocated(both[0], None) and not picker.prefers_colocated(None, pair)

@@ -68,7 +68,7 @@ def tags(batch) -> list[int]:
 
 def take_and_account(batcher: PrefillBatcher) -> list[tuple[int, int]]:
     """Takes a batch and marks its tokens computed, as a forward would: [(tag, tokens)]."""
-    batch = batcher._take_batch()
+    batch = batcher.take_batch(batcher.max_batch_tokens)
     for piece in batch:
         piece.pending.num_computed += piece.num_tokens
     return [(s.pending.prompt[0], s.num_tokens) for s in batch]
@@ -87,7 +87,7 @@ async def test_take_batch_packs_and_chunks_under_the_token_budget(lengths, expec
     try:
         assert batcher.num_waiting == len(lengths) and batcher.outstanding_tokens == sum(lengths)
         assert [take_and_account(batcher) for _ in expected_batches] == expected_batches
-        assert batcher._take_batch() == [] and batcher.num_waiting == 0
+        assert batcher.take_batch(batcher.max_batch_tokens) == [] and batcher.num_waiting == 0
     finally:
         await cancel_all(tasks)
 
@@ -119,7 +119,7 @@ async def test_cancelled_submissions_are_skipped():
     tasks[1].cancel()
     await asyncio.sleep(0)
     try:
-        assert tags(batcher._take_batch()) == [10, 12, 13]  # 4 + 4 + 8 = 16 packed tokens
+        assert tags(batcher.take_batch(batcher.max_batch_tokens)) == [10, 12, 13]  # 4 + 4 + 8 = 16 packed tokens
     finally:
         await cancel_all(tasks)
 

@@ -80,7 +80,8 @@ class RouterClient:
         return RouterAnswer(call, params, self._config.retry_after_s)
 
     async def readiness_problems(self) -> list[str]:
-        """Why the system cannot serve now: router down, or no prefill or no decode worker. Empty: ready."""
+        """Why the system cannot serve now: router down, or neither a colocated worker nor a prefill and a
+        decode worker. Empty: ready."""
         problems = []
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=ROUTER_SERVICE),
@@ -89,14 +90,14 @@ class RouterClient:
                 problems.append(f"router at {self._config.router_address} is not serving")
         except grpc.aio.AioRpcError as exc:
             problems.append(f"router at {self._config.router_address} is unreachable: {exc.code().name}")
-        for role in ("prefill", "decode"):
-            try:
-                workers = await asyncio.wait_for(self._registry.list(role), self._config.health_timeout_s)
-            except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
-                problems.append(f"worker registry unreachable: {type(exc).__name__}")
-                break
-            if not workers:
-                problems.append(f"no {role} worker is registered")
+        try:
+            counts = {role: len(await asyncio.wait_for(self._registry.list(role), self._config.health_timeout_s))
+                      for role in ("prefill", "decode", "colocated")}
+        except (aioredis.RedisError, OSError, asyncio.TimeoutError) as exc:
+            problems.append(f"worker registry unreachable: {type(exc).__name__}")
+            return problems
+        if not counts["colocated"]:  # otherwise colocated workers serve alone
+            problems += [f"no {role} worker is registered" for role in ("prefill", "decode") if not counts[role]]
         return problems
 
     async def close(self) -> None:

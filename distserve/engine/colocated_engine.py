@@ -1,0 +1,77 @@
+"""The colocated engine: one worker prefills and decodes, in one loop over one model.
+
+A request's lifecycle: waiting (prompt queued in the PrefillBatcher) -> prefilling (one or more
+chunks) -> first token -> KV handed to the paged cache (in process, one copy) -> decoding (the
+DecodeEngine's running batch) -> finished.
+
+Each step is one fused forward (ModelRunner.step): every running sequence's next token, plus
+prompt chunks under what is left of the token budget, as vLLM's chunked prefill does. Decoding
+sequences go first, so a long prompt costs them a longer step, never a skipped one; the budget
+(the saturation length) bounds how much longer. The batcher and decode engine keep their own
+policies and bookkeeping; this loop only drives both with one forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult
+from distserve.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedEngine:
+    def __init__(self, prefill: PrefillBatcher, decode: DecodeEngine, wakeup: asyncio.Event):
+        """`prefill` and `decode` must share the runner and were built with this `wakeup` event."""
+        self.prefill = prefill
+        self.decode = decode
+        self._wakeup = wakeup
+        self.num_steps = 0
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.prefill.max_batch_tokens
+
+    def hand_off(self, result: PrefillResult, seq: Sequence) -> None:
+        """Writes a prefilled prompt's KV into the sequence's reserved blocks and starts decoding it."""
+        self.decode.kv_cache.write_prompt(seq.block_table, result.kv)
+        seq.loaded_at = time.monotonic()
+        self.decode.add(seq)
+
+    async def run(self) -> None:
+        """Steps while either side has work; runs until cancelled."""
+        while True:
+            await self._wakeup.wait()
+            decoding = self.decode.begin()
+            chunks = self.prefill.take_batch(max(self.max_batch_tokens - len(decoding), 0))
+            if not decoding and not chunks:
+                if not self.decode.scheduler.has_work():
+                    self._wakeup.clear()
+                continue
+            if chunks:
+                self.prefill.begin(chunks)
+            try:
+                results, tokens = await asyncio.to_thread(self._step, chunks, decoding)
+            except Exception as exc:  # a failed step fails its requests, not the worker
+                self.prefill.fail(chunks, exc)
+                if decoding:
+                    self.decode.fail(decoding, exc)
+                continue
+            self.num_steps += 1
+            self.prefill.deliver(chunks, results)
+            if decoding:
+                self.decode.postprocess(decoding, tokens)
+
+    def _step(self, chunks, decoding: list[Sequence]):
+        """The fused forward, then first tokens for finishing prompts and next tokens for decoding ones."""
+        started, start_ns = time.monotonic(), time.time_ns()
+        works = self.prefill.works(chunks, started, start_ns)
+        work = self.decode.work(decoding) if decoding else None
+        prompt_logits, decode_logits = self.decode.runner.step(works, work)
+        results = self.prefill.finish(chunks, prompt_logits)
+        tokens = self.decode.sample(decoding, decode_logits) if decoding else []
+        return results, tokens

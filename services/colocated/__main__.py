@@ -1,0 +1,98 @@
+"""python -m services.colocated: run one colocated (prefill + decode) worker."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sys
+
+import redis.asyncio as aioredis
+
+from distserve.config import parse_config
+from distserve.cpus import apply_cpus
+from distserve.engine.colocated_engine import ColocatedEngine
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.decode_scheduler import DecodeScheduler
+from distserve.engine.dtype import resolve_dtype
+from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.model_loader import load_engine_model, resolve_model_path
+from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
+from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
+from distserve.grpc_server import Service
+from distserve.logs import setup_logging
+from distserve.metrics import ColocatedMetrics, serve_metrics
+from distserve.registry import WorkerRecord, WorkerRegistry
+from distserve.tracing import init_tracing, shutdown_tracing
+from distserve.v1 import colocated_pb2_grpc
+from distserve.worker_lifecycle import serve_worker
+from services.colocated.config import ColocatedConfig
+from services.colocated.server import ColocatedServicer
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: ColocatedConfig, model, spec: ModelSpec) -> ColocatedEngine:
+    """A prefill batcher and a decode engine over one runner and one paged cache, driven by one loop."""
+    dtype = DTYPES[config.dtype]
+    num_blocks = max(1, config.kv_cache_mb * 1024 * 1024 // (spec.kv_bytes_per_token(dtype) * config.block_size))
+    kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
+                            dtype, config.device)
+    runner = ModelRunner(model)
+    runner.warm_up()
+    wakeup = asyncio.Event()
+    prefill = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context,
+                             config.max_batch_tokens or saturation_tokens(config.device), wakeup)
+    scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
+    decode = DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup)
+    return ColocatedEngine(prefill, decode, wakeup)
+
+
+async def serve(config: ColocatedConfig) -> None:
+    path = resolve_model_path(config.model)
+    spec = load_model_spec(path)
+    engine = build_engine(config, load_engine_model(path, config.dtype, config.device), spec)
+    metrics = ColocatedMetrics()
+    redis = aioredis.from_url(config.redis_url)
+    registry = WorkerRegistry(redis, config.lease_s)
+    servicer = ColocatedServicer(config, spec, engine, metrics)
+    serve_metrics(config.metrics_port, config.host)
+    worker_id = config.resolved_worker_id
+
+    def record() -> WorkerRecord:
+        scheduler, prefill = engine.decode.scheduler, engine.prefill
+        allocator = scheduler.allocator
+        # outstanding_tokens: what the router compares across colocated and prefill workers
+        load = {"outstanding_tokens": prefill.outstanding_tokens, "num_waiting": prefill.num_waiting,
+                "num_running": len(scheduler.running), "free_blocks": allocator.num_free,
+                "total_blocks": allocator.num_blocks, "block_size": config.block_size}
+        metrics.kv_usage.set(allocator.num_used / allocator.num_blocks)
+        metrics.running.set(len(scheduler.running))
+        metrics.waiting.set(prefill.num_waiting)
+        return WorkerRecord(worker_id, "colocated", f"{config.advertise_host}:{config.port}", "", load,
+                            spec.kv_format(config.dtype))
+
+    service = Service(colocated_pb2_grpc.add_ColocatedServiceServicer_to_server, servicer,
+                      "distserve.v1.ColocatedService")
+    log.info("colocated worker %s: blocks=%d max_batch_tokens=%d model=%s", worker_id,
+             engine.decode.scheduler.allocator.num_blocks, engine.max_batch_tokens, path)
+    try:
+        await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
+                           [engine.run], config.grace_s, config.drain_s)
+    finally:
+        await redis.aclose()
+        shutdown_tracing()
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging("colocated")
+    init_tracing("distserve-colocated")
+    config = parse_config(ColocatedConfig, argv, prefix="DISTSERVE_COLOCATED_")
+    apply_cpus(config.cpus)  # before torch does parallel work
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

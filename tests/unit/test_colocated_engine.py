@@ -1,0 +1,93 @@
+"""ColocatedEngine on the real tiny model: fused steps, and the same tokens as prefill-then-decode alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from distserve.engine.colocated_engine import ColocatedEngine
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.decode_scheduler import DecodeScheduler
+from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.model_loader import load_engine_model
+from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_spec import load_model_spec
+from distserve.engine.prefill_batcher import PrefillBatcher
+from distserve.engine.sampling import SamplingParams
+from distserve.engine.sequence import Sequence, stream_outputs
+
+BLOCK_SIZE = 16
+BUDGET = 32  # small, so a long prompt is chunked beside the decoding sequences
+
+
+class CountingRunner(ModelRunner):
+    """Records the shape of every step: (prompt tokens, decoding sequences)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.shapes: list[tuple[int, int]] = []
+
+    def step(self, works, decode):
+        self.shapes.append((sum(len(w.token_ids) for w in works), len(decode.input_ids) if decode else 0))
+        return super().step(works, decode)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_path):
+    return load_model_spec(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return load_engine_model(tiny_model_path, "float32", "cpu")
+
+
+def build(model, spec) -> tuple[ColocatedEngine, CountingRunner]:
+    runner = CountingRunner(model)
+    cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, 64, BLOCK_SIZE, torch.float32, "cpu")
+    wakeup = asyncio.Event()
+    prefill = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, BUDGET, wakeup)
+    scheduler = DecodeScheduler(cache.allocator, BLOCK_SIZE, 8, spec.max_context)
+    decode = DecodeEngine(runner, cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup)
+    return ColocatedEngine(prefill, decode, wakeup), runner
+
+
+async def serve_one(engine: ColocatedEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    """What the colocated servicer does for one request, minus gRPC."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    blocks = await engine.decode.reserve(engine.decode.scheduler.blocks_for(len(prompt), max_tokens))
+    result = await engine.prefill.submit(prompt, params)
+    seq = Sequence("r", prompt + [result.first_token], len(prompt), params, blocks, asyncio.Queue())
+    engine.hand_off(result, seq)
+    tokens = [result.first_token]
+    async for token_ids, _ in stream_outputs(seq):
+        tokens += token_ids
+    return tokens
+
+
+async def run_concurrently(engine: ColocatedEngine, requests: list[tuple[list[int], int, float]]):
+    loop = asyncio.create_task(engine.run())
+
+    async def delayed(prompt, max_tokens, delay_s):
+        await asyncio.sleep(delay_s)
+        return await serve_one(engine, prompt, max_tokens)
+
+    try:
+        return await asyncio.gather(*(delayed(*r) for r in requests))
+    finally:
+        loop.cancel()
+
+
+async def test_prompt_chunks_ride_along_decode_steps_and_tokens_match_alone(model, spec):
+    short, long = list(range(5, 12)), list(range(20, 120))  # 100 tokens: 4 chunks under a 32-token budget
+    engine, runner = build(model, spec)
+    together = await run_concurrently(engine, [(short, 30, 0.0), (long, 5, 0.0)])
+    mixed = [(p, d) for p, d in runner.shapes if p and d]
+    assert mixed, runner.shapes  # the long prompt was prefilled inside the short one's decode steps
+    assert all(p + d <= BUDGET for p, d in runner.shapes)  # decode rows count against the budget
+    alone = [await run_concurrently(build(model, spec)[0], [(prompt, n, 0.0)]) for prompt, n in ((short, 30),
+                                                                                                 (long, 5))]
+    assert together == [alone[0][0], alone[1][0]]
+    assert engine.decode.scheduler.allocator.num_used == 0
