@@ -1,15 +1,12 @@
-"""Simulated prefill and decode workers: the event loop, request state, and the two
-disaggregated worker loops, each mirroring the real engine's policy.
+"""The simulator's parts shared by every worker: the event loop, request state, step time, the KV
+block pool; and the prefill worker, mirroring the real engine's policy.
 
 Prefill (distserve/engine/prefill_batcher.py): waiting -> chunks -> prefilled -> transfer queue -> sent.
   Idle with prompts waiting, it takes a packed batch under `max_batch_tokens`: whole prompts that fit
   (arrival order, a prompt skipped MAX_SKIPS times first), then the rest of the budget as chunks.
   A prompt's first token is out when its last chunk's step ends. KV transfers leave one at a time
   per prefill worker (one UCX endpoint per peer) and never block the prefill loop.
-Decode (decode_engine.py + decode_scheduler.py): reserving -> (transfer) -> waiting -> running.
-  Blocks for prompt + output are reserved up front; a request that does not fit waits for frees.
-  At each step boundary waiting sequences join (up to `max_running`), then every running sequence
-  makes one token.
+KV blocks (decode and colocated workers): prompt + output reserved up front, as DecodeEngine.reserve.
 """
 
 from __future__ import annotations

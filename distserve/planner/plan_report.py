@@ -1,0 +1,68 @@
+"""What `distserve plan` prints and writes: the ranked fleets and per-rate simulations."""
+
+from __future__ import annotations
+
+import math
+
+from distserve.planner.fleet_spec import describe_workers
+from distserve.planner.placement import DeviceBudget
+from distserve.planner.profile import Profile
+from distserve.planner.search import Ranked
+from distserve.planner.sim_metrics import SimSummary
+
+
+def _ms(seconds: float) -> str:
+    return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.0f}"
+
+
+def _pct(fraction: float) -> str:
+    return "-" if math.isnan(fraction) else f"{fraction * 100:.1f}%"
+
+
+def describe_profile(profile: Profile) -> str:
+    unit = "GPU" if profile.device.startswith("cuda") else "core"
+    size = f"{profile.cores_per_worker} {unit}{'s' if profile.cores_per_worker > 1 else ''}"
+    simulated = " SIMULATED" if profile.host.startswith("SIMULATED") else ""
+    return f"{size}: {profile.model} {profile.dtype} {profile.device}{simulated}"
+
+
+def latency_line(summary: SimSummary) -> str:
+    return (f"attainment {_pct(summary.attainment)}, TTFT p50/p90/p99 {_ms(summary.ttft_p50_s)}/"
+            f"{_ms(summary.ttft_p90_s)}/{_ms(summary.ttft_p99_s)} ms, TPOT p50/p90/p99 "
+            f"{_ms(summary.tpot_p50_s)}/{_ms(summary.tpot_p90_s)}/{_ms(summary.tpot_p99_s)} ms")
+
+
+def format_best(best: Ranked, budget: DeviceBudget, rate: float | None, at_rate: SimSummary | None) -> str:
+    devices = best.candidate.config.devices
+    lines = [f"Best: {describe_workers(best.candidate.config.workers, budget.unit)}",
+             f"  fleet {best.candidate.fleet}, {devices} {budget.unit}{'s' if devices > 1 else ''}, "
+             f"placement: {best.candidate.placement}",
+             f"  predicted goodput {best.goodput.rate:.3g} req/s, {best.per_device:.3g} req/s per {budget.unit}"]
+    if at_rate is not None:
+        lines.append(f"  at {rate:g} req/s: {latency_line(at_rate)}")
+    return "\n".join(lines)
+
+
+def format_table(ranked: list[Ranked], budget: DeviceBudget, rate: float | None,
+                 at_rate: dict[int, SimSummary]) -> str:
+    unit = budget.unit
+    header = ["rank", "fleet", "family", unit + "s", "goodput/s", f"per {unit}", "placement"]
+    if rate is not None:
+        header.append(f"attain@{rate:g}/s")
+    rows = [header]
+    for i, r in enumerate(ranked, 1):
+        row = [str(i), r.candidate.fleet, r.candidate.family, str(r.candidate.config.devices),
+               f"{r.goodput.rate:.3g}", f"{r.per_device:.3g}", r.candidate.placement]
+        if rate is not None:
+            row.append(_pct(at_rate[i - 1].attainment) if i - 1 in at_rate else "-")
+        rows.append(row)
+    widths = [max(len(row[k]) for row in rows) for k in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def format_simulation(fleet: str, summaries: dict[float, SimSummary]) -> str:
+    lines = [f"Simulated fleet {fleet}:"]
+    for rate, summary in summaries.items():
+        lines.append(f"  {rate:g} req/s: {latency_line(summary)}, {summary.num_served}/{summary.num_requests} "
+                     f"served, e2e p50/p99 {_ms(summary.e2e_p50_s)}/{_ms(summary.e2e_p99_s)} ms")
+    return "\n".join(lines)
