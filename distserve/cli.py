@@ -1,4 +1,5 @@
-"""The `distserve` command: up (start everything), demo (start, answer, stop), generate (stream an answer)."""
+"""The `distserve` command: up (start everything), demo (start, answer, stop), generate (stream an answer),
+trace (a request's waterfall), bench (goodput), profile and plan (placement search)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,13 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", default="", help="cores to split among the workers, one share each, e.g. 0-3 "
                                                    "(default: all cores this process may use)")
     parser.add_argument("--share-cores", action="store_true", help="do not split: every worker may use all cores")
-    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="number of prefill workers (default: 1, or 0 with --colocated)")
+    parser.add_argument("--decode", type=int, default=None,
+                        help="number of decode workers (default: 1, or 0 with --colocated)")
+    parser.add_argument("--colocated", type=int, default=0,
+                        help="number of colocated workers, each prefilling and decoding in one process (the "
+                             "baseline disaggregation is compared with); mixed fleets are allowed")
     parser.add_argument("--router-port", type=int, default=50051)
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     parser.add_argument("--gateway-port", type=int, default=8000, help="HTTP gateway port; -1: no gateway")
@@ -40,7 +46,13 @@ def _spec(args) -> ClusterSpec:
     # Build (or find) the model once here, so the workers only load it.
     gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     gateway_args += ["--api-key", args.api_key] if args.api_key else []
-    return ClusterSpec(model=resolve_model_path(args.model), num_prefill=args.prefill, num_decode=args.decode,
+    default = 0 if args.colocated else 1
+    num_prefill = default if args.prefill is None else args.prefill
+    num_decode = default if args.decode is None else args.decode
+    if num_prefill + num_decode + args.colocated == 0 or (num_prefill == 0) != (num_decode == 0):
+        raise ConfigError("prefill/decode: need at least one prefill and one decode worker, or --colocated N")
+    return ClusterSpec(model=resolve_model_path(args.model), num_prefill=num_prefill, num_decode=num_decode,
+                       num_colocated=args.colocated,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
                        cpus=args.cpus, share_cores=args.share_cores,
@@ -156,6 +168,19 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
+def _add_tool_commands(commands) -> dict:
+    """bench, profile and plan: each module owns its flags (add_arguments) and its run(args)."""
+    from distserve.bench import cli as bench
+    from distserve.planner import plan_cli, profile_cli
+
+    tools = {"bench": (bench, "drive an OpenAI endpoint with Poisson arrivals: TTFT, TPOT, SLO attainment, goodput"),
+             "profile": (profile_cli, "measure this machine's step and KV-transfer latency models for the planner"),
+             "plan": (plan_cli, "search worker counts, cores and batch budget for the best goodput, by simulation")}
+    for name, (module, summary) in tools.items():
+        module.add_arguments(commands.add_parser(name, help=summary, description=summary))
+    return {name: module.run for name, (module, _) in tools.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     parser = argparse.ArgumentParser(prog="distserve", description=__doc__)
@@ -174,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("request_id")
     trace.add_argument("--jaeger", default="http://127.0.0.1:16686", help="Jaeger query (UI) base URL")
     trace.add_argument("--service", default="distserve-router", help="service to search the request id in")
+    tools = _add_tool_commands(commands)
     args = parser.parse_args(argv)
     try:
+        if args.command in tools:
+            return tools[args.command](args)
         return {"up": _up, "demo": _demo, "generate": _generate, "trace": _trace}[args.command](args)
     except ConfigError as exc:  # e.g. --cpus naming cores this machine lacks
         parser.error(str(exc))
