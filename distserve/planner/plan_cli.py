@@ -22,7 +22,7 @@ from pathlib import Path
 
 from distserve.planner import plan_report
 from distserve.planner.fleet_spec import parse_workers
-from distserve.planner.goodput import RateSearch, Trace, Workload, run_config
+from distserve.planner.goodput import POOL, RateSearch, Trace, Workload, run_config
 from distserve.planner.placement import DeviceBudget, place
 from distserve.planner.profile import Profile
 from distserve.planner.roofline import HARDWARE, MODELS, roofline_profiles
@@ -49,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--slo-ttft-ms", type=float, help="time-to-first-token target")
     load.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token target")
     load.add_argument("--rate", type=float, help="also report each listed fleet's attainment at this rate")
-    load.add_argument("--num-requests", type=int, default=300, help="simulated requests per rate probe")
+    load.add_argument("--num-requests", type=int, default=300, help="simulated requests per rate probe (at least)")
+    load.add_argument("--span-latencies", type=float, default=RateSearch.span_latencies,
+                      help="more requests when that many would arrive within this many lone-request latencies")
+    load.add_argument("--max-running", type=int, default=64, help="decode batch cap per decode/colocated worker")
     load.add_argument("--seed", type=int, default=0)
     search = parser.add_argument_group("search")
     search.add_argument("--top", type=int, default=5, help="fleets to list")
@@ -115,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace, profiles: list[Profile], budget: DeviceBudget | None) -> int:
-    workers = parse_workers(args.simulate, profiles)
+    workers = parse_workers(args.simulate, profiles, args.max_running)
     config = place(workers, budget) if budget else ClusterConfig(tuple(workers))
     if config is None:
         raise ValueError(f"fleet {args.simulate!r} does not fit {budget.label()}")
@@ -131,12 +134,12 @@ def _simulate(args: argparse.Namespace, profiles: list[Profile], budget: DeviceB
 
 def _plan(args: argparse.Namespace, profiles: list[Profile], budget: DeviceBudget) -> int:
     slo, workload = _slo(args, True), _workload(args)
-    trace = Trace.draw(workload, args.num_requests, args.seed)
+    trace = Trace.draw(workload, args.num_requests, args.seed, pool=POOL)
     space = SearchSpace(budget_factors=tuple(float(f) for f in args.budget_factors.split(",")),
-                        include_mixed=not args.no_mixed, max_simulated=args.max_simulated,
+                        include_mixed=not args.no_mixed, max_simulated=args.max_simulated, max_running=args.max_running,
                         objective=args.objective)
     started = time.monotonic()
-    ranked = plan(profiles, budget, trace, slo, space, RateSearch())
+    ranked = plan(profiles, budget, trace, slo, space, RateSearch(span_latencies=args.span_latencies))
     if not ranked:
         raise ValueError(f"no fleet of these profiles fits {budget.label()}")
     shown = ranked[:args.top]

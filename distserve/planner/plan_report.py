@@ -7,7 +7,7 @@ import math
 from distserve.planner.fleet_spec import describe_workers
 from distserve.planner.placement import DeviceBudget
 from distserve.planner.profile import Profile
-from distserve.planner.search import Ranked
+from distserve.planner.search import Ranked, replicas_to_fill
 from distserve.planner.sim_metrics import SimSummary
 
 
@@ -38,6 +38,10 @@ def format_best(best: Ranked, budget: DeviceBudget, rate: float | None, at_rate:
              f"  fleet {best.candidate.fleet}, {devices} {budget.unit}{'s' if devices > 1 else ''}, "
              f"placement: {best.candidate.placement}",
              f"  predicted goodput {best.goodput.rate:.3g} req/s, {best.per_device:.3g} req/s per {budget.unit}"]
+    copies = replicas_to_fill(best, budget)
+    if copies > 1:
+        lines.append(f"  uses {devices} of {budget.total} {budget.unit}s: run {copies} copies "
+                     f"(about {copies * best.goodput.rate:.3g} req/s)")
     if at_rate is not None:
         lines.append(f"  at {rate:g} req/s: {latency_line(at_rate)}")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 from typing import Callable
 
 from distserve.planner.profile import Profile
@@ -168,7 +169,8 @@ class KvBlocks:
         self.block_size = block_size
         self.num_total = capacity_tokens // block_size
         self.num_free = self.num_total
-        self._waiters: list[tuple[SimRequest, Callable[[], None]]] = []
+        self._waiters: list[tuple[SimRequest, int, Callable[[], None]]] = []
+        self._min_waiting = math.inf  # fewest blocks any waiter needs: most frees wake nobody
 
     def blocks_for(self, req: SimRequest) -> int:
         return -(-(req.input_len + req.output_len) // self.block_size)
@@ -177,27 +179,29 @@ class KvBlocks:
         return self.blocks_for(req) <= self.num_free
 
     def reserve(self, req: SimRequest, then: Callable[[], None]) -> None:
-        if self.can_allocate(req):
-            self._take(req)
+        needed = self.blocks_for(req)
+        if needed <= self.num_free:
+            req.num_blocks = needed
+            self.num_free -= needed
             then()
         else:
-            self._waiters.append((req, then))
+            self._waiters.append((req, needed, then))
+            self._min_waiting = min(self._min_waiting, needed)
 
     def free(self, req: SimRequest) -> None:
         self.num_free += req.num_blocks
         req.num_blocks = 0
-        ready = [(r, then) for r, then in self._waiters if self._take_if_fits(r)]
-        if ready:
-            self._waiters = [(r, t) for r, t in self._waiters if r.num_blocks == 0]
-            for _, then in ready:
-                then()
-
-    def _take_if_fits(self, req: SimRequest) -> bool:
-        if not self.can_allocate(req):
-            return False
-        self._take(req)
-        return True
-
-    def _take(self, req: SimRequest) -> None:
-        req.num_blocks = self.blocks_for(req)
-        self.num_free -= req.num_blocks
+        if self.num_free < self._min_waiting:
+            return
+        ready, still = [], []
+        for waiter in self._waiters:
+            if waiter[1] <= self.num_free:
+                waiter[0].num_blocks = waiter[1]
+                self.num_free -= waiter[1]
+                ready.append(waiter[2])
+            else:
+                still.append(waiter)
+        self._waiters = still
+        self._min_waiting = min((w[1] for w in still), default=math.inf)
+        for then in ready:
+            then()

@@ -8,7 +8,7 @@ import pytest
 
 from distserve.planner import plan_cli
 from distserve.planner.fleet_spec import format_workers, parse_workers
-from distserve.planner.goodput import RateSearch, Trace, find_goodput, run_config
+from distserve.planner.goodput import RateSearch, Trace, Workload, find_goodput, run_config
 from distserve.planner.placement import DeviceBudget, place
 from distserve.planner.search import SearchSpace, enumerate_candidates, plan
 from distserve.planner.sim_metrics import Slo
@@ -135,3 +135,15 @@ def test_cli_simulates_one_fleet(profile_path, capsys):
 def test_cli_names_a_missing_budget(profile_path, capsys):
     assert plan_cli.main(["--profile", profile_path, "--slo-ttft-ms", "1", "--slo-tpot-ms", "1"]) == 2
     assert "--cores" in capsys.readouterr().out
+
+
+def test_trace_matches_the_benchmark_and_grows_to_span_the_window():
+    from distserve.bench.workload import poisson_arrivals, sample_lengths
+    trace = Trace.draw(Workload("chat"), 100, seed=3)
+    requests = trace.at_rate(4.0)
+    assert [(r.input_len, r.output_len) for r in requests] == sample_lengths("chat", 100, 3)
+    assert [r.arrival_s for r in requests] == pytest.approx(poisson_arrivals(4.0, 100, 3))
+    pooled = Trace.draw(Workload("chat"), 100, seed=3, pool=5000)
+    assert len(pooled.at_rate(4.0)) == 100  # 100 requests already span 10 s at 4/s
+    assert len(pooled.at_rate(4.0, min_span_s=100.0)) == 400
+    assert len(pooled.at_rate(400.0, min_span_s=100.0)) == 5000  # capped at the pool
