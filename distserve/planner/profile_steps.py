@@ -1,7 +1,9 @@
 """Times forward steps of the real engine, the samples the step-time model is fitted to.
 
 Every step goes through `ModelRunner` as the workers call it, under torch.inference_mode, and its
-time is the median of `repeats` runs after one warm-up run of the same shape:
+time is the median of `repeats` runs after one warm-up run of the same shape. The runs go in
+rounds over all shapes (shape 1, 2, ..., then again), so that a burst of other work on the
+machine spoils one run of many shapes, which the median drops, rather than every run of one:
 - prefill (`prefill_chunks`): one packed batch of prompt chunks. A chunk at position p > 0 first
   has its prompt's earlier p tokens prefilled (untimed) into its KV buffer, as a chunked prompt has;
 - decode (`decode`): B sequences of one context length in a PagedKvCache;
@@ -72,18 +74,6 @@ def step_plan(quick: bool, max_tokens: int, max_context: int) -> StepPlan:
     return StepPlan(tuple(prefill), tuple(decode), tuple(mixed))
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of fn over `repeats` calls, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def has_fused_step(runner: ModelRunner) -> bool:
     """Whether the runner can run prompt chunks and decoding sequences in one forward (`step`)."""
     return callable(getattr(runner, "step", None))
@@ -97,13 +87,18 @@ def measure_steps(runner: ModelRunner, shapes: list[StepShape], repeats: int,
     cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, num_blocks, block_size, runner.model.dtype,
                          runner.device)
     tokens = random.Random(0)
-    samples = []
     with torch.inference_mode():
-        for shape in shapes:
-            step = _prepare_step(runner, cache, shape, lambda n: [tokens.randrange(a.vocab_size) for _ in range(n)])
-            samples.append(StepSample(shape, median_seconds(step, repeats)))
-            log.debug("%s: %.2f ms", shape, samples[-1].seconds * 1e3)
-    return samples
+        steps = [_prepare_step(runner, cache, shape, lambda n: [tokens.randrange(a.vocab_size) for _ in range(n)])
+                 for shape in shapes]
+        times: list[list[float]] = [[] for _ in shapes]
+        for round_ in range(repeats + 1):  # round 0 warms up
+            for step, shape_times in zip(steps, times):
+                started = time.perf_counter()
+                step()
+                if round_:
+                    shape_times.append(time.perf_counter() - started)
+            log.info("round %d of %d done", round_, repeats)
+    return [StepSample(shape, statistics.median(t)) for shape, t in zip(shapes, times)]
 
 
 def _prepare_step(runner: ModelRunner, cache: PagedKvCache, shape: StepShape,

@@ -48,7 +48,7 @@ class ProfileSettings:
     cpus: tuple[int, ...] = ()  # the cores this process is pinned to (empty: its affinity mask)
     quick: bool = False  # few shapes: a smoke test, not a profile to plan with
     max_tokens: int = 2048  # most packed prompt tokens in one prefill step
-    repeats: int = 3
+    repeats: int = 5
     transfer: bool = True  # measure UCX transfers; without, transfer is modelled as free
     kv_cache_mb: int = 1024  # a decode worker's default KV cache (DecodeConfig.kv_cache_mb)
     block_size: int = 16  # DecodeConfig.block_size
