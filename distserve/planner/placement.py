@@ -2,8 +2,9 @@
 
 A worker never spans nodes (no inter-node tensor parallelism). Two placements:
 - "local": prefill and decode workers are dealt round-robin over the nodes, and the router sends
-  each request to a decode worker on its prefill worker's node when there is one, so KV moves over
-  the fast intra-node link (DistServe's low node-affinity case). The real router has no node
+  each request to a decode worker on its prefill worker's node, so KV moves over the fast
+  intra-node link (DistServe's low node-affinity case). A fleet that cannot give every node with
+  a prefill worker a decode worker too has no local placement. The real router has no node
   affinity yet: this models one router per node, or an affinity rule to add.
 - "spread": workers are packed onto nodes by role (first fit), and decode is picked cluster-wide,
   so many transfers cross nodes on the slower inter-node link (DistServe's high-affinity case
@@ -72,7 +73,7 @@ def place(workers: list[WorkerSpec], budget: DeviceBudget, placement: str = "loc
     if any(w.devices > budget.per_node for w in workers) or sum(w.devices for w in workers) > budget.total:
         return None
     nodes = _deal(workers, budget) if placement == "local" else _first_fit(workers, budget)
-    if nodes is None:
+    if nodes is None or placement == "local" and not _is_paired(workers, nodes):
         return None
     placed = tuple(dataclasses.replace(w, node=n) for w, n in zip(workers, nodes))
     return ClusterConfig(placed, inter_node_bytes_per_s=budget.inter_node_bytes_per_s,
@@ -95,6 +96,13 @@ def _deal(workers: list[WorkerSpec], budget: DeviceBudget) -> list[int] | None:
         nodes.append(node)
         turn[w.role] = node + 1
     return nodes
+
+
+def _is_paired(workers: list[WorkerSpec], nodes: list[int]) -> bool:
+    """Every node with a prefill worker has a decode worker (when the fleet has any)."""
+    prefill = {n for w, n in zip(workers, nodes) if w.role == "prefill"}
+    decode = {n for w, n in zip(workers, nodes) if w.role == "decode"}
+    return not decode or prefill <= decode
 
 
 def _first_fit(workers: list[WorkerSpec], budget: DeviceBudget) -> list[int] | None:

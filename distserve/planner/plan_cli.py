@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulate one fleet instead of searching")
     sim.add_argument("--simulate", default="", help="fleet string, e.g. 1p1d, 2c, 1p1d1c, 2p@1:512+1d@2")
     sim.add_argument("--rates", default="1,2,4", help="comma-separated request rates for --simulate")
+    sim.add_argument("--router-overhead-ms", type=float, default=0.0,
+                     help="--simulate: add the router's own hop to every TTFT and end-to-end latency")
 
 
 def load_profiles(args: argparse.Namespace) -> list[Profile]:
@@ -122,6 +124,7 @@ def _simulate(args: argparse.Namespace, profiles: list[Profile], budget: DeviceB
     config = place(workers, budget) if budget else ClusterConfig(tuple(workers))
     if config is None:
         raise ValueError(f"fleet {args.simulate!r} does not fit {budget.label()}")
+    config = dataclasses.replace(config, router_overhead_s=args.router_overhead_ms / 1e3)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     summaries = run_config(profiles, config, _workload(args), rates, _slo(args, False), args.num_requests,
                            args.seed)
@@ -152,6 +155,9 @@ def _plan(args: argparse.Namespace, profiles: list[Profile], budget: DeviceBudge
           f"(predictions from the simulator, not measurements)\n")
     print(plan_report.format_best(ranked[0], budget, args.rate, at_rate.get(0)))
     print("\n" + plan_report.format_table(shown, budget, args.rate, at_rate))
+    if args.objective == "per-device":
+        print(f"(per-{budget.unit} goodputs within {RateSearch.rel_tol:.0%} of the best are ties of the rate search; "
+              "the larger goodput is listed first)")
     if args.json:
         _write_json(args.json, _plan_json(args, profiles, budget, slo, ranked[:max(args.top, 1)], at_rate))
     return 0

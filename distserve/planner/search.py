@@ -8,8 +8,8 @@ Candidates (enumerate_candidates): every fleet that fits the device budget, from
 each prefill/colocated kind at a few token budgets (the profile's, times `budget_factors`), and on
 more than one node at both placements ("local", "spread": see placement.py).
 
-Ranking (plan): each candidate's goodput (goodput.find_goodput), per device, best first; ties go to
-the larger goodput. When there are more candidates than `max_simulated`, a phase-wise screen comes
+Ranking (plan): each candidate's goodput (goodput.find_goodput), per device, best first; fleets
+within the rate search's tolerance of the best are a tie, which the larger goodput wins. When there are more candidates than `max_simulated`, a phase-wise screen comes
 first, as DistServe's does: the goodput of one worker of each kind alone (prefill against the TTFT
 target only, decode against the TPOT target only, colocated against both) gives each candidate an
 estimate, min(sum over prefill, sum over decode) + sum over colocated; only the best estimates
@@ -130,7 +130,19 @@ def plan(profiles: list[Profile], budget: DeviceBudget, trace: Trace, slo: Slo,
     if len(candidates) > space.max_simulated:
         candidates, estimates = _screen(candidates, trace, slo, space, search)
     ranked = [Ranked(c, find_goodput(c.config, trace, slo, search), estimates.get(id(c))) for c in candidates]
-    return sorted(ranked, key=lambda r: _score(r.goodput.rate, r.candidate, space))
+    ranked.sort(key=lambda r: _score(r.goodput.rate, r.candidate, space))
+    return _break_ties(ranked, space, search.rel_tol)
+
+
+def _break_ties(ranked: list[Ranked], space: SearchSpace, rel_tol: float) -> list[Ranked]:
+    """Per device, fleets within the rate search's tolerance of the best are a tie: of those, the
+    one with the most goodput goes first (it uses more of the budget for the same efficiency)."""
+    if space.objective != "per-device" or not ranked:
+        return ranked
+    floor = ranked[0].per_device * (1 - rel_tol)
+    tied = [r for r in ranked if r.per_device >= floor]
+    tied.sort(key=lambda r: (-r.goodput.rate, r.candidate.config.devices, r.candidate.fleet))
+    return tied + [r for r in ranked if r.per_device < floor]
 
 
 def _score(rate: float, candidate: Candidate, space: SearchSpace) -> tuple:

@@ -50,6 +50,8 @@ def test_gpu_candidates_place_both_ways_and_never_span_nodes():
     assert all(sum(w.devices for w in c.config.workers if w.node == n) <= 4 for c in candidates for n in (0, 1))
     placements = {c.placement for c in candidates if c.fleet == "2p@2:512+2d@2"}
     assert placements == {"local", "spread"}
+    # one prefill and one decode worker of 4 GPUs each cannot share a node: no local placement
+    assert {c.placement for c in candidates if c.fleet == "1p@4:512+1d@4"} == {"spread"}
 
 
 def test_local_placement_pairs_prefill_and_decode_per_node():
