@@ -7,8 +7,8 @@ machine spoils one run of many shapes, which the median drops, rather than every
 - prefill (`prefill_chunks`): one packed batch of prompt chunks. A chunk at position p > 0 first
   has its prompt's earlier p tokens prefilled (untimed) into its KV buffer, as a chunked prompt has;
 - decode (`decode`): B sequences of one context length in a PagedKvCache;
-- mixed (`step`, when the runner has it): prompt chunks and decoding sequences in one fused
-  forward, as a colocated worker runs them.
+- mixed (`step`): prompt chunks and decoding sequences in one fused forward, as a colocated
+  worker runs them.
 Re-running a shape is idempotent (a chunk rewrites its own KV positions, a decode step its own
 slot), so repeats measure the same work.
 """
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from distserve.engine.kv_cache import PagedKvCache, blocks_needed
-from distserve.engine.model_runner import ModelRunner, PrefillWork
+from distserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from distserve.planner.profile import StepSample, StepShape
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ MIXED_BATCHES = (4, 16)
 MIXED_CONTEXT = 256
 
 QUICK_PREFILL_TOKENS = (16, 64)
+QUICK_PROMPTS_PER_BATCH = (1, 4)
+QUICK_MIN_PROMPT_TOKENS = 4
 QUICK_POSITIONED_CHUNKS = ((16, 32),)
 QUICK_DECODE_BATCHES = (1, 4)
 QUICK_DECODE_CONTEXTS = (16, 64)
@@ -59,11 +61,10 @@ class StepPlan:
 def step_plan(quick: bool, max_tokens: int, max_context: int) -> StepPlan:
     """Shapes whose packed tokens stay within max_tokens and whose prompts fit max_context."""
     cap = min(max_tokens, max_context)
-    sizes = QUICK_PREFILL_TOKENS if quick else PREFILL_TOKENS
-    prefill = [StepShape(chunks=((total // k, 0),) * k)
-               for total in sizes if total <= cap
-               for k in ((1, 4) if quick else PROMPTS_PER_BATCH)
-               if total % k == 0 and (k == 1 or total // k >= (4 if quick else MIN_PROMPT_TOKENS))]
+    sizes, counts, min_length = ((QUICK_PREFILL_TOKENS, QUICK_PROMPTS_PER_BATCH, QUICK_MIN_PROMPT_TOKENS) if quick
+                                 else (PREFILL_TOKENS, PROMPTS_PER_BATCH, MIN_PROMPT_TOKENS))
+    prefill = [StepShape(chunks=((total // k, 0),) * k) for total in sizes if total <= cap for k in counts
+               if total % k == 0 and (k == 1 or total // k >= min_length)]
     positioned = QUICK_POSITIONED_CHUNKS if quick else POSITIONED_CHUNKS
     prefill += [StepShape(chunks=((n, p),)) for n, p in positioned if n <= max_tokens and n + p <= max_context]
     batches, contexts = (QUICK_DECODE_BATCHES, QUICK_DECODE_CONTEXTS) if quick else (DECODE_BATCHES, DECODE_CONTEXTS)
@@ -74,14 +75,9 @@ def step_plan(quick: bool, max_tokens: int, max_context: int) -> StepPlan:
     return StepPlan(tuple(prefill), tuple(decode), tuple(mixed))
 
 
-def has_fused_step(runner: ModelRunner) -> bool:
-    """Whether the runner can run prompt chunks and decoding sequences in one forward (`step`)."""
-    return callable(getattr(runner, "step", None))
-
-
 def measure_steps(runner: ModelRunner, shapes: list[StepShape], repeats: int,
                   block_size: int = 16) -> list[StepSample]:
-    """Times every shape (see the module docstring). Mixed shapes need `has_fused_step(runner)`."""
+    """Times every shape (see the module docstring)."""
     a = runner.model.args
     num_blocks = max([sum(blocks_needed(c + 1, block_size) for c in s.decode_contexts) for s in shapes] + [1])
     cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, num_blocks, block_size, runner.model.dtype,
@@ -121,7 +117,5 @@ def _prepare_step(runner: ModelRunner, cache: PagedKvCache, shape: StepShape,
     input_ids = token_ids(len(contexts))
     if not works:
         return lambda: runner.decode(cache, tables, contexts, input_ids)
-    from distserve.engine.model_runner import DecodeWork  # with the fused step (see has_fused_step)
-
     decode = DecodeWork(cache, tables, contexts, input_ids)
     return lambda: runner.step(works, decode)

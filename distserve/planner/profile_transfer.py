@@ -70,5 +70,6 @@ async def _measure(kv_shape: tuple[int, int, int], dtype: torch.dtype, token_cou
             del held[handle]
     finally:
         await consumer.close()
+        await asyncio.sleep(0.05)  # lets the producer's endpoint handler see the close before its listener goes
         producer.stop()
     return samples

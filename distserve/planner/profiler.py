@@ -30,7 +30,7 @@ from distserve.planner.profile import (
     fit_step_model,
     fit_transfer_model,
 )
-from distserve.planner.profile_steps import has_fused_step, measure_steps, step_plan
+from distserve.planner.profile_steps import measure_steps, step_plan
 from distserve.planner.profile_transfer import measure_transfers, transfer_token_counts
 
 log = logging.getLogger(__name__)
@@ -88,11 +88,7 @@ def measure_profile(settings: ProfileSettings) -> Profile:
     runner = ModelRunner(load_engine_model(path, settings.dtype, settings.device))
     runner.warm_up()
     plan = step_plan(settings.quick, settings.max_tokens, spec.max_context)
-    shapes = [*plan.prefill, *plan.decode]
-    if has_fused_step(runner):
-        shapes += plan.mixed
-    else:
-        log.warning("ModelRunner has no fused step(): mixed (colocated) steps not measured")
+    shapes = [*plan.prefill, *plan.decode, *plan.mixed]
     log.info("timing %d step shapes, %d repeats each", len(shapes), settings.repeats)
     samples = measure_steps(runner, shapes, settings.repeats, settings.block_size)
     kv_bytes_per_token = spec.kv_bytes_per_token(DTYPES[settings.dtype])
