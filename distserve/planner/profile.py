@@ -6,13 +6,16 @@ A profile holds, for one (model, dtype, device, cores per worker), least-squares
 - a forward step's time from its shape. One model covers prefill, decode and mixed (colocated)
   steps: every step is a packed batch of rows through the same weights, then attention:
 
-      t = c_step + c_token * num_tokens + c_attn * attn_work + c_decode * num_decode
+      t = c_step + c_token * num_tokens + c_prompt_attn * prompt_attn
+          + c_decode_context * decode_context + c_decode * num_decode
 
   `num_tokens` counts every row (prompt-chunk tokens plus one per decoding sequence);
-  `attn_work` is the number of (query, key) pairs attention touches: for a prompt chunk of
-  length n at position p it is n * (p + n), for a decoding sequence its context length;
-  `num_decode` is the number of decoding sequences (per-sequence bookkeeping: sampling, block
-  tables). The constant is the weight-streaming floor, paid once per step whatever its size.
+  `prompt_attn` is the number of (query, key) pairs prompt attention touches: n * (p + n) for a
+  chunk of length n at position p (compute-bound); `decode_context` is the sum of the decoding
+  sequences' context lengths (each token's K/V is read once: memory-bound, measured 6-14x the
+  cost of a prompt pair, hence its own term); `num_decode` is the number of decoding sequences
+  (per-sequence bookkeeping: sampling, block tables). The constant is the weight-streaming floor,
+  paid once per step whatever its size.
 - a KV transfer's time from its bytes: t = c_latency + num_bytes / bytes_per_s.
 
 Fits and their raw samples are kept side by side, so a reader can judge the fit.
@@ -26,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-STEP_FEATURES = ("const", "num_tokens", "attn_work", "num_decode")
-PROFILE_VERSION = 1
+STEP_FEATURES = ("const", "num_tokens", "prompt_attn", "decode_context", "num_decode")
+PROFILE_VERSION = 2  # 1 had one attention term for prompt pairs and decode context alike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +45,20 @@ class StepShape:
         return sum(n for n, _ in self.chunks) + len(self.decode_contexts)
 
     @property
+    def prompt_attn(self) -> int:
+        return sum(n * (p + n) for n, p in self.chunks)
+
+    @property
+    def decode_context(self) -> int:
+        return sum(self.decode_contexts)
+
+    @property
     def attn_work(self) -> int:
-        return sum(n * (p + n) for n, p in self.chunks) + sum(self.decode_contexts)
+        return self.prompt_attn + self.decode_context
 
     def features(self) -> list[float]:
-        return [1.0, float(self.num_tokens), float(self.attn_work), float(len(self.decode_contexts))]
+        return [1.0, float(self.num_tokens), float(self.prompt_attn), float(self.decode_context),
+                float(len(self.decode_contexts))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +111,22 @@ class Profile:
     kv_bytes_per_token: int  # bytes of K and V for one token, all layers
     kv_capacity_tokens: int  # tokens a decode worker's KV cache holds at its default size
     max_batch_tokens: int  # the prefill token budget the worker uses by default (saturation length)
-    step_coeffs: tuple[float, ...]  # over STEP_FEATURES
+    step_coeffs: tuple[float, ...]  # over STEP_FEATURES (a version-1 4-tuple is upgraded)
     transfer_latency_s: float
     transfer_bytes_per_s: float
     step_samples: list[StepSample] = dataclasses.field(default_factory=list)
     transfer_samples: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     host: str = ""  # machine description, for the reader
     version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        if len(self.step_coeffs) == 4:  # version 1: one attention coefficient for both kinds
+            const, token, attn, decode = self.step_coeffs
+            self.step_coeffs = (const, token, attn, attn, decode)
+        if len(self.step_coeffs) != len(STEP_FEATURES):
+            raise ValueError(f"step_coeffs: {len(self.step_coeffs)} values, expected {len(STEP_FEATURES)} "
+                             f"({', '.join(STEP_FEATURES)})")
+        self.version = PROFILE_VERSION
 
     def step_time(self, shape: StepShape) -> float:
         return float(np.dot(self.step_coeffs, shape.features()))
@@ -129,8 +150,8 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         data = json.loads(Path(path).read_text())
-        if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"{path}: profile version {data.get('version')} is not {PROFILE_VERSION}")
+        if data.get("version") not in (1, PROFILE_VERSION):
+            raise ValueError(f"{path}: profile version {data.get('version')} is not 1 or {PROFILE_VERSION}")
         data.pop("step_features", None)
         data["step_coeffs"] = tuple(data["step_coeffs"])
         data["step_samples"] = [StepSample(StepShape(tuple(map(tuple, s["shape"]["chunks"])),

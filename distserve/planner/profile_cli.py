@@ -24,6 +24,7 @@ from distserve.config import ConfigError
 from distserve.cpus import apply_cpus, parse_cpu_list
 from distserve.engine.dtype import DTYPE_CHOICES, resolve_dtype
 from distserve.launcher import WORKER_MALLOC_ENV
+from distserve.planner.profile import Profile, fit_step_model
 from distserve.planner.profiler import ProfileSettings, format_report, measure_profile
 from distserve.transfer import connector
 
@@ -50,12 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-mb", type=int, default=DEFAULTS.kv_cache_mb,
                         help="decode worker KV cache the capacity is computed for")
     parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="decode worker KV block size")
+    parser.add_argument("--refit", default="", metavar="PROFILE",
+                        help="measure nothing: refit PROFILE's stored samples with this version's step model "
+                             "and rewrite it (and its .fit.txt)")
     parser.add_argument("--in-process", action="store_true",
                         help="measure in this process as it is, without re-starting with a worker's environment")
 
 
 def run(args: argparse.Namespace) -> int:
     """Measures and saves (see the module docstring); returns an exit status."""
+    if args.refit:
+        return _refit(Path(args.refit))
     if not args.in_process:
         return _run_child(args)
     try:
@@ -79,6 +85,16 @@ def run(args: argparse.Namespace) -> int:
     fit_path.write_text(report + "\n")
     print(report)
     print(f"wrote {out} and {fit_path}")
+    return 0
+
+
+def _refit(path: Path) -> int:
+    profile = Profile.load(path)
+    profile.step_coeffs = fit_step_model(profile.step_samples)
+    profile.save(path)
+    report = format_report(profile)
+    path.with_suffix(".fit.txt").write_text(report + "\n")
+    print(report)
     return 0
 
 

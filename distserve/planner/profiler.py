@@ -140,9 +140,10 @@ def format_report(profile: Profile) -> str:
     """The fit and its errors, in lines a reader can judge."""
     coeffs = dict(zip(STEP_FEATURES, profile.step_coeffs))
     lines = [f"profile {profile.model} {profile.dtype} {profile.device} x{profile.cores_per_worker}: {profile.host}",
-             "step time = {:.3f} ms + {:.4f} ms/token + {:.3e} ms/attn pair + {:.4f} ms/decode seq".format(
-                 coeffs["const"] * 1e3, coeffs["num_tokens"] * 1e3, coeffs["attn_work"] * 1e3,
-                 coeffs["num_decode"] * 1e3),
+             "step time = {:.3f} ms + {:.4f} ms/token + {:.3e} ms/prompt attn pair + {:.3e} ms/decode context "
+             "token + {:.4f} ms/decode seq".format(
+                 coeffs["const"] * 1e3, coeffs["num_tokens"] * 1e3, coeffs["prompt_attn"] * 1e3,
+                 coeffs["decode_context"] * 1e3, coeffs["num_decode"] * 1e3),
              f"transfer   = {profile.transfer_latency_s * 1e3:.3f} ms + bytes / "
              f"{profile.transfer_bytes_per_s / 1e9:.3f} GB/s",
              f"kv_bytes_per_token {profile.kv_bytes_per_token}, kv_capacity_tokens {profile.kv_capacity_tokens}, "

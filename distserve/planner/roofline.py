@@ -140,7 +140,8 @@ def roofline_profile(model: ModelShape, hw: Hardware, tp: int,
     if kv_bytes <= 0 or model.heads % tp:
         return None
     terms = roofline_terms(model, hw, tp)
-    coeffs = (terms.const_s, terms.row_flop_s + terms.allreduce_row_s, terms.pair_flop_s + terms.kv_read_s, 0.0)
+    coeffs = (terms.const_s, terms.row_flop_s + terms.allreduce_row_s, terms.pair_flop_s,
+              terms.pair_flop_s + terms.kv_read_s, 0.0)
     return RooflineProfile(
         model=model.name, dtype="bfloat16", device="cuda", cores_per_worker=tp,
         kv_bytes_per_token=model.kv_bytes_per_token, kv_capacity_tokens=int(kv_bytes // model.kv_bytes_per_token),

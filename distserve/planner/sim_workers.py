@@ -80,9 +80,9 @@ def step_seconds(profile: Profile, prompt_tokens: int, prompt_attn: int, num_dec
     custom = getattr(profile, "step_time_from_totals", None)
     if custom is not None:
         return custom(prompt_tokens, prompt_attn, num_decode, decode_context)
-    c_step, c_token, c_attn, c_decode = profile.step_coeffs
-    return (c_step + c_token * (prompt_tokens + num_decode) + c_attn * (prompt_attn + decode_context)
-            + c_decode * num_decode)
+    c_step, c_token, c_prompt_attn, c_decode_context, c_decode = profile.step_coeffs
+    return (c_step + c_token * (prompt_tokens + num_decode) + c_prompt_attn * prompt_attn
+            + c_decode_context * decode_context + c_decode * num_decode)
 
 
 def take_prefill_batch(waiting: list[SimRequest], budget: int) -> list[tuple[SimRequest, int]]:
