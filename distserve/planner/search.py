@@ -13,7 +13,7 @@ within the rate search's tolerance of the best are a tie, which the larger goodp
 first, as DistServe's does: the goodput of one worker of each kind alone (prefill against the TTFT
 target only, decode against the TPOT target only, colocated against both) gives each candidate an
 estimate, min(sum over prefill, sum over decode) + sum over colocated; only the best estimates
-(and the best two of each family) are simulated whole.
+(and the best max_simulated/4 of each family) are simulated whole.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ def _screen(candidates: list[Candidate], trace: Trace, slo: Slo, space: SearchSp
         estimates[id(c)] = disaggregated + sums["colocated"]
     order = sorted(candidates, key=lambda c: _score(estimates[id(c)], c, space))
     keep = order[:space.max_simulated]
-    for family in ("disaggregated", "colocated", "mixed"):
-        keep += [c for c in order if c.family == family][:2]
+    for family in ("disaggregated", "colocated", "mixed"):  # the screen's estimates are rough: keep a few each
+        keep += [c for c in order if c.family == family][:max(2, space.max_simulated // 4)]
     unique = list({id(c): c for c in keep}.values())
     return unique, estimates
 
