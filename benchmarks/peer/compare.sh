@@ -27,11 +27,16 @@ wait_health() {  # URL PID
   echo "not healthy: $1" >&2; return 1
 }
 
+# Every run draws its prompts with its own seed (the last --seed wins over bench.sh's --seed 0): with one
+# seed, every run after the first re-sends the same prompts, and vLLM's prefix cache (on by default)
+# serves them from cache. Both systems see the same never-seen prompts at each rate.
 run_rates() {  # SYSTEM DTYPE URL
-  bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" inf "$LOGS/warmup.json" --num-prompts 8 >/dev/null
+  bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" inf "$LOGS/warmup.json" --num-prompts 8 --seed 1000 >/dev/null
+  local run=0
   for rate in $RATES; do
+    run=$((run + 1))
     echo "== $1 $2 rate $rate"
-    bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" "$rate" "$ROOT/$OUT/${1}_${2}_rate${rate}.json"
+    bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" "$rate" "$ROOT/$OUT/${1}_${2}_rate${rate}.json" --seed "$run"
   done
 }
 

@@ -108,10 +108,11 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     async with open_session() as session:
         card = pick_model(url, await list_models(session, url, args.api_key), args.model)
         endpoint = Endpoint(url, card["id"], args.api_key)
-        prompts = workload.synthetic_prompts(lengths, _vocab_size(args, card), args.seed)
-        requests = [BenchRequest(p, out_len) for p, (_, out_len) in zip(prompts, lengths)]
+        vocab_size = _vocab_size(args, card)
         summaries = []
-        for rate in rates:
+        for run, rate in enumerate(rates):
+            prompts = workload.synthetic_prompts(lengths, vocab_size, args.seed, run)  # never seen by the server
+            requests = [BenchRequest(p, out_len) for p, (_, out_len) in zip(prompts, lengths)]
             arrivals = workload.poisson_arrivals(rate, len(requests), args.seed)
             records, duration_s = await run_rate(session, endpoint, requests, arrivals, desc=f"rate {rate:g}")
             summaries.append(stats.summarize_rate(rate, duration_s, records, args.slo_ttft_ms / 1000,

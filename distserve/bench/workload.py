@@ -129,7 +129,9 @@ def synthetic_prompt(input_len: int, vocab_size: int, rng: np.random.Generator) 
     return [int(x) for x in rng.integers(FIRST_REGULAR_TOKEN_ID, vocab_size, size=input_len)]
 
 
-def synthetic_prompts(lengths: list[tuple[int, int]], vocab_size: int, seed: int) -> list[list[int]]:
-    """One prompt per (input_len, _) pair; its own random stream, so prompts do not shift the lengths."""
-    rng = np.random.default_rng([seed, 1])
+def synthetic_prompts(lengths: list[tuple[int, int]], vocab_size: int, seed: int, run: int = 0) -> list[list[int]]:
+    """One prompt per (input_len, _) pair; its own random stream, so prompts do not shift the lengths.
+    Each `run` (the bench gives every rate its own) draws different prompts of the same lengths, so a
+    server's prefix cache cannot turn a later rate's prompts into cache hits."""
+    rng = np.random.default_rng([seed, 1, run])
     return [synthetic_prompt(input_len, vocab_size, rng) for input_len, _ in lengths]

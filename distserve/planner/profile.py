@@ -10,8 +10,8 @@ A profile holds, for one (model, dtype, device, cores per worker), least-squares
           + c_decode_context * decode_context + c_decode * num_decode
 
   `num_tokens` counts every row (prompt-chunk tokens plus one per decoding sequence);
-  `prompt_attn` is the number of (query, key) pairs prompt attention touches: n * (p + n) for a
-  chunk of length n at position p (compute-bound); `decode_context` is the sum of the decoding
+  `prompt_attn` is the number of (query, key) pairs prompt attention computes (compute-bound; see
+  `chunk_attn_pairs`); `decode_context` is the sum of the decoding
   sequences' context lengths (each token's K/V is read once: memory-bound, measured 6-14x the
   cost of a prompt pair, hence its own term); `num_decode` is the number of decoding sequences
   (per-sequence bookkeeping: sampling, block tables). The constant is the weight-streaming floor,
@@ -33,6 +33,13 @@ STEP_FEATURES = ("const", "num_tokens", "prompt_attn", "decode_context", "num_de
 PROFILE_VERSION = 2  # 1 had one attention term for prompt pairs and decode context alike
 
 
+def chunk_attn_pairs(length: int, position: int) -> int:
+    """(query, key) pairs the engine's prompt attention computes for a chunk of `length` tokens at
+    `position`: a first chunk runs SDPA with is_causal, which skips the masked half (n^2 / 2); a later
+    chunk runs it with an explicit mask over all n * (p + n) pairs (engine/attention.py)."""
+    return length * (length + 1) // 2 if position == 0 else length * (position + length)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepShape:
     """The shape of one forward step."""
@@ -46,7 +53,7 @@ class StepShape:
 
     @property
     def prompt_attn(self) -> int:
-        return sum(n * (p + n) for n, p in self.chunks)
+        return sum(chunk_attn_pairs(n, p) for n, p in self.chunks)
 
     @property
     def decode_context(self) -> int:

@@ -120,7 +120,7 @@ class RooflineProfile(Profile):
     terms: RooflineTerms | None = None
 
     def step_time(self, shape: StepShape) -> float:
-        prompt_attn = sum(n * (p + n) for n, p in shape.chunks)
+        prompt_attn = shape.prompt_attn
         return self.step_time_from_totals(shape.num_tokens - len(shape.decode_contexts), prompt_attn,
                                           len(shape.decode_contexts), sum(shape.decode_contexts))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-from distserve.planner.profile import Profile
+from distserve.planner.profile import Profile, chunk_attn_pairs
 from distserve.planner.sim_workers import EventLoop, KvBlocks, SimRequest, step_seconds, take_prefill_batch
 
 Callback = Callable[[SimRequest], None]
@@ -129,7 +129,7 @@ class ColocatedSim:
         self._is_busy = bool(chunks) or self._running.size > 0
         if self._is_busy:
             tokens = sum(n for _, n in chunks)
-            attn = sum(n * (req.num_computed + n) for req, n in chunks)
+            attn = sum(chunk_attn_pairs(n, req.num_computed) for req, n in chunks)
             seconds = step_seconds(self.profile, tokens, attn, self._running.size, self._running.context_sum)
             self.loop.call_later(seconds, self._end_step, chunks)
 

@@ -17,7 +17,7 @@ import itertools
 import math
 from typing import Callable
 
-from distserve.planner.profile import Profile
+from distserve.planner.profile import Profile, chunk_attn_pairs
 
 # Mirrors distserve.engine.prefill_batcher.MAX_SKIPS (not imported: that module pulls in torch).
 MAX_SKIPS = 4
@@ -130,7 +130,7 @@ class PrefillSim:
         self._is_busy = bool(batch)
         if batch:
             tokens = sum(n for _, n in batch)
-            attn = sum(n * (req.num_computed + n) for req, n in batch)
+            attn = sum(chunk_attn_pairs(n, req.num_computed) for req, n in batch)
             self.loop.call_later(step_seconds(self.profile, tokens, attn, 0, 0), self._end_step, batch)
 
     def _end_step(self, batch: list[tuple[SimRequest, int]]) -> None:

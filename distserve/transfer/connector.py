@@ -14,8 +14,8 @@ Consumer role (decode side), `KvConsumer`:
 Connectors (`make_producer` / `make_consumer`):
 - "ucx": host-staged pulls over UCX (distserve.transfer.ucx_transfer), imported lazily so that
   processes that never move KV never load UCX.
-- "local": in-process, for a colocated worker and for tests; fetch copies straight from the
-  producer's buffer.
+- "local": in-process, for tests; fetch copies straight from the producer's buffer. (A colocated
+  worker needs no connector at all: it writes a prompt's KV buffer straight into its paged cache.)
 A CUDA (device-to-device) connector is another entry here.
 
 Per-layer sends were measured and left out: the transfer runs after the first token is returned,

@@ -22,16 +22,31 @@ def broker_stats(cluster) -> kvbroker_pb2.GetBrokerStatsResponse:
             kvbroker_pb2.GetBrokerStatsRequest(), timeout=10)
 
 
+def settled_stats(cluster, names: list[str], timeout_s: float = 10.0) -> dict:
+    """Worker stats once every byte received has been counted as sent too: the sender counts on the
+    receiver's acknowledgement, which may trail the end of an earlier test's request."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {n: worker_stats(cluster, n) for n in names}
+        sent = sum(s.kv_bytes_sent for n, s in stats.items() if n.startswith("prefill"))
+        received = sum(s.kv_bytes_received for n, s in stats.items() if n.startswith("decode"))
+        if sent == received or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
 def test_kv_bytes_travel_over_ucx_between_workers(cluster, tiny_model_path):
     from distserve.engine.model_spec import load_model_spec
 
     spec = load_model_spec(tiny_model_path)
     names = [n for n in cluster.processes if n.startswith(("prefill", "decode"))]
-    before = {n: worker_stats(cluster, n) for n in names}
+    before = settled_stats(cluster, names)
     answer = generate(cluster.router_address, token_request(list(range(10, 10 + PROMPT_LEN)), max_tokens=4))
     first = answer.messages[0]
     prefill, decode = name_of(cluster, first.prefill_worker), name_of(cluster, first.decode_worker)
-    after = {n: worker_stats(cluster, n) for n in names}
+    after = settled_stats(cluster, names)
 
     handle_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * PROMPT_LEN * 4  # fp32
     assert after[prefill].kv_bytes_sent - before[prefill].kv_bytes_sent == handle_bytes

@@ -8,6 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
+from distserve.bench import workload
 from distserve.bench.workload import (
     MIN_LEN,
     MIXES,
@@ -98,3 +99,12 @@ def test_synthetic_prompts_avoid_special_ids_and_are_deterministic():
     lengths = [(7, 1), (3, 2)]
     assert [len(p) for p in synthetic_prompts(lengths, 100, seed=1)] == [7, 3]
     assert synthetic_prompts(lengths, 100, seed=1) == synthetic_prompts(lengths, 100, seed=1)
+
+
+def test_each_run_draws_new_prompts_of_the_same_lengths():
+    """A prefix-caching server must not see a later rate's prompts again."""
+    lengths = [(5, 1), (9, 1), (3, 1)]
+    first, second = (workload.synthetic_prompts(lengths, 1000, seed=0, run=r) for r in (0, 1))
+    assert [len(p) for p in first] == [len(p) for p in second] == [5, 9, 3]
+    assert all(a != b for a, b in zip(first, second))
+    assert workload.synthetic_prompts(lengths, 1000, seed=0, run=1) == second

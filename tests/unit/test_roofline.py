@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from distserve.planner.profile import Profile, StepShape
+from distserve.planner.profile import Profile, StepShape, chunk_attn_pairs
 from distserve.planner.roofline import (
     A100_80GB,
     LLAMA_13B,
@@ -43,7 +43,7 @@ def test_small_decode_is_memory_bound_and_long_prefill_compute_bound():
     terms = profile.terms
     assert profile.decode_time([100]) == pytest.approx(terms.const_s + 100 * terms.kv_read_s)
     prefill = profile.prefill_time([(2048, 0)])
-    compute = 2048 * terms.row_flop_s + 2048 * 2048 * terms.pair_flop_s
+    compute = 2048 * terms.row_flop_s + chunk_attn_pairs(2048, 0) * terms.pair_flop_s  # causal: half the pairs
     assert prefill == pytest.approx(compute + terms.overhead_s)
     assert prefill > 10 * terms.weight_s
 
