@@ -24,22 +24,24 @@ from distserve.planner.profile import Profile
 from distserve.planner.sim_metrics import Slo
 from distserve.planner.simulator import ClusterConfig
 
-def simulated_attainment(profiles: list[Profile], fleet: str, results: dict,
-                         router_overhead_s: float) -> dict[float, float]:
+def simulated_attainment(profiles: list[Profile], fleet: str, results: dict, router_overhead_s: float,
+                         frontend_s_per_token: float) -> dict[float, float]:
     workload = results["workload"]
     rates = [float(r["rate"]) for r in results["rates"] if r["rate"] != "inf"]
     slo = Slo(results["slo"]["ttft_ms"] / 1e3, results["slo"]["tpot_ms"] / 1e3)
-    config = ClusterConfig(tuple(parse_workers(fleet, profiles)), router_overhead_s=router_overhead_s)
+    config = ClusterConfig(tuple(parse_workers(fleet, profiles)), router_overhead_s=router_overhead_s,
+                           frontend_s_per_token=frontend_s_per_token)
     summaries = run_config(profiles, config, Workload(workload["name"], workload["input_len"], workload["output_len"]),
                            rates, slo, num_requests=workload["num_prompts"], seed=workload["seed"])
     return {rate: summary.attainment for rate, summary in summaries.items()}
 
 
-def compare(profiles: list[Profile], folder: Path, configs: list[str], router_overhead_s: float) -> list[dict]:
+def compare(profiles: list[Profile], folder: Path, configs: list[str], router_overhead_s: float,
+            frontend_s_per_token: float) -> list[dict]:
     rows = []
     for fleet in configs:
         results = json.loads((folder / fleet / "results.json").read_text())
-        simulated = simulated_attainment(profiles, fleet, results, router_overhead_s)
+        simulated = simulated_attainment(profiles, fleet, results, router_overhead_s, frontend_s_per_token)
         for rate in results["rates"]:
             if rate["rate"] == "inf":
                 continue
@@ -94,12 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", action="append", required=True, help="a run.sh output folder")
     parser.add_argument("--configs", default="1p1d,2c")
     parser.add_argument("--router-overhead-ms", type=float, default=0.0)
+    parser.add_argument("--frontend-us-per-token", type=float, default=0.0,
+                        help="front-end CPU per streamed token (benchmarks/goodput/frontend_cost.py)")
     parser.add_argument("--out", required=True, help="path prefix of the .md and .png written")
     args = parser.parse_args(argv)
     profiles = [Profile.load(p) for p in args.profile]
     rows = []
     for folder in args.results:
-        rows += compare(profiles, Path(folder), args.configs.split(","), args.router_overhead_ms / 1e3)
+        rows += compare(profiles, Path(folder), args.configs.split(","), args.router_overhead_ms / 1e3,
+                        args.frontend_us_per_token / 1e6)
     text = markdown(rows)
     Path(args.out + ".md").write_text(text + "\n")
     Path(args.out + ".json").write_text(json.dumps(rows, indent=1) + "\n")

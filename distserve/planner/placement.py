@@ -33,6 +33,8 @@ class DeviceBudget:
     """cpu: devices are cores; gpu: devices are GPUs."""
     inter_node_bytes_per_s: float = math.inf
     inter_node_latency_s: float = 0.0
+    frontend_s_per_token: float = 0.0
+    """Front-end CPU per streamed token taken from the workers' cores (ClusterConfig)."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.per_node < 1:
@@ -78,7 +80,8 @@ def place(workers: list[WorkerSpec], budget: DeviceBudget, placement: str = "loc
     placed = tuple(dataclasses.replace(w, node=n) for w, n in zip(workers, nodes))
     return ClusterConfig(placed, inter_node_bytes_per_s=budget.inter_node_bytes_per_s,
                          inter_node_latency_s=budget.inter_node_latency_s,
-                         is_node_local=placement == "local" and budget.num_nodes > 1)
+                         is_node_local=placement == "local" and budget.num_nodes > 1,
+                         frontend_s_per_token=budget.frontend_s_per_token)
 
 
 def _deal(workers: list[WorkerSpec], budget: DeviceBudget) -> list[int] | None:

@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--max-simulated", type=int, default=32, help="candidates simulated whole")
     search.add_argument("--no-mixed", action="store_true", help="leave out fleets mixing colocated and P/D")
     search.add_argument("--json", default="", help="also write the result here")
+    parser.add_argument("--frontend-us-per-token", type=float, default=0.0,
+                        help="CPU microseconds the router, gateway and client spend per streamed token, taken from "
+                             "the workers' cores when the machine has none to spare (--cores; measure it with "
+                             "benchmarks/goodput/frontend_cost.py)")
     sim = parser.add_argument_group("simulate one fleet instead of searching")
     sim.add_argument("--simulate", default="", help="fleet string, e.g. 1p1d, 2c, 1p1d1c, 2p@1:512+1d@2")
     sim.add_argument("--rates", default="1,2,4", help="comma-separated request rates for --simulate")
@@ -88,7 +92,7 @@ def device_budget(args: argparse.Namespace, profiles: list[Profile]) -> DeviceBu
     if args.gpus:
         return DeviceBudget.gpus(args.gpus, inter_node_bytes_per_s=gbps * 1e9)
     if args.cores:
-        return DeviceBudget.cores(args.cores)
+        return dataclasses.replace(DeviceBudget.cores(args.cores), frontend_s_per_token=args.frontend_us_per_token / 1e6)
     return None
 
 
@@ -124,7 +128,8 @@ def _simulate(args: argparse.Namespace, profiles: list[Profile], budget: DeviceB
     config = place(workers, budget) if budget else ClusterConfig(tuple(workers))
     if config is None:
         raise ValueError(f"fleet {args.simulate!r} does not fit {budget.label()}")
-    config = dataclasses.replace(config, router_overhead_s=args.router_overhead_ms / 1e3)
+    config = dataclasses.replace(config, router_overhead_s=args.router_overhead_ms / 1e3,
+                                 frontend_s_per_token=args.frontend_us_per_token / 1e6)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     summaries = run_config(profiles, config, _workload(args), rates, _slo(args, False), args.num_requests,
                            args.seed)

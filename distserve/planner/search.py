@@ -156,12 +156,13 @@ def _screen(candidates: list[Candidate], trace: Trace, slo: Slo, space: SearchSp
             search: RateSearch) -> tuple[list[Candidate], dict[int, float]]:
     """The phase-wise screen: the candidates worth simulating whole, and every candidate's estimate."""
     unit_goodput: dict[tuple, float] = {}
+    frontend = candidates[0].config.frontend_s_per_token if candidates else 0.0  # one budget for all
     phase_slo = {"prefill": Slo(ttft_s=slo.ttft_s), "decode": Slo(tpot_s=slo.tpot_s), "colocated": slo}
 
     def unit(w: WorkerSpec) -> float:
         key = (w.role, w.devices, w.budget)
         if key not in unit_goodput:
-            alone = ClusterConfig((dataclasses.replace(w, node=0),))
+            alone = ClusterConfig((dataclasses.replace(w, node=0),), frontend_s_per_token=frontend)
             unit_goodput[key] = find_goodput(alone, trace, phase_slo[w.role], search).rate
         return unit_goodput[key]
 

@@ -75,6 +75,10 @@ class ClusterConfig:
     """Route each request to a decode worker on its prefill worker's node when there is one."""
     router_overhead_s: float = 0.0
     """Added to every TTFT and end-to-end latency (the router's own hop)."""
+    frontend_s_per_token: float = 0.0
+    """CPU time the router, gateway and client spend per streamed token. On a machine with no core to
+    spare for them (this 2-core box) it is taken from the workers' cores: each decode step then costs
+    this much more per decoding sequence. 0 where the front end has cores of its own."""
     block_size: int = 16
 
     @property
@@ -84,6 +88,12 @@ class ClusterConfig:
 
     def count(self, role: str) -> int:
         return sum(w.role == role for w in self.workers)
+
+
+def _with_frontend(profile: Profile, seconds_per_token: float) -> Profile:
+    """The profile with the front end's per-token CPU added to every decoding sequence's step cost."""
+    *rest, per_decode = profile.step_coeffs
+    return dataclasses.replace(profile, step_coeffs=(*rest, per_decode + seconds_per_token))
 
 
 @dataclasses.dataclass
@@ -113,6 +123,8 @@ class _Simulation:
 
     def _add_worker(self, spec: WorkerSpec) -> None:
         bs = self.config.block_size
+        if self.config.frontend_s_per_token and spec.role != "prefill":
+            spec = dataclasses.replace(spec, profile=_with_frontend(spec.profile, self.config.frontend_s_per_token))
         if spec.role == "prefill":
             self.prefill.append(PrefillSim(self.loop, spec.profile, spec.budget, spec.node, self._prefilled))
         elif spec.role == "decode":

@@ -161,3 +161,16 @@ def test_fleet_types_agree_when_unloaded():
     requests = [Request(100.0 * i, 200, 20) for i in range(5)]
     for config in (fleet("prefill", "decode"), fleet("colocated"), fleet("prefill", "decode", "colocated")):
         assert simulate(config, requests, Slo(1.0, 0.1)).summary.attainment == 1.0
+
+
+def test_front_end_cost_is_paid_per_streamed_token_in_decode_steps_only():
+    import dataclasses
+
+    input_len, output_len, frontend = 100, 20, 5e-4
+    profile = toy_profile()
+    base = fleet("prefill", "decode", profile=profile)
+    requests = [Request(0.0, input_len, output_len)]
+    plain = simulate(base, requests).results[0]
+    loaded = simulate(dataclasses.replace(base, frontend_s_per_token=frontend), requests).results[0]
+    assert loaded.ttft_s == pytest.approx(plain.ttft_s)  # prefill steps stream nothing
+    assert loaded.tpot_s == pytest.approx(plain.tpot_s + frontend)  # each of the output_len - 1 steps
