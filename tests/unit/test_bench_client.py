@@ -171,8 +171,10 @@ def test_cli_run_writes_results_charts_and_compares(server, tmp_path, capsys):
     assert [r["rate"] for r in doc["rates"]] == ["inf", 20.0]  # run in the given order
     assert all(r["attainment"] == 1.0 and r["num_ok"] == 3 for r in doc["rates"])
     assert (doc["goodput_rps"], doc["goodput_is_lower_bound"]) == (20.0, True)
-    # the same prompts at every rate
-    assert sorted(map(str, server.bodies[:3])) == sorted(map(str, server.bodies[3:]))
+    # the same prompt lengths at every rate, never the same prompts (a prefix cache must not help)
+    first, second = server.bodies[:3], server.bodies[3:]
+    assert sorted(len(b["prompt"]) for b in first) == sorted(len(b["prompt"]) for b in second)
+    assert not {str(b["prompt"]) for b in first} & {str(b["prompt"]) for b in second}
     assert (out / "attainment.png").stat().st_size > 0 and (out / "latency_cdf.png").stat().st_size > 0
     assert "goodput: >= 20.00 req/s" in capsys.readouterr().out
 
