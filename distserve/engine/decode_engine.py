@@ -41,6 +41,10 @@ class StepStats:
                      self.compute_s / self.num_steps * 1e3)
 
 
+class NoCapacity(RuntimeError):
+    """A request's KV blocks cannot be had: never on this worker, or not within the wait allowed."""
+
+
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, kv_cache: PagedKvCache, scheduler: DecodeScheduler,
                  eos_ids: tuple[int, ...], max_context: int, wakeup: asyncio.Event | None = None):
@@ -64,6 +68,17 @@ class DecodeEngine:
             self._blocks_freed.clear()
             await self._blocks_freed.wait()
         return allocator.allocate(num_blocks)
+
+    async def reserve_for(self, prompt_len: int, max_tokens: int, timeout_s: float) -> list[int]:
+        """Blocks for a request's whole life (prompt + max_tokens, capped at the context), waiting up to
+        timeout_s for them to be free. Raises NoCapacity when this cache could never hold it, or on timeout."""
+        needed = self.scheduler.blocks_for(prompt_len, max_tokens)
+        if needed > self.scheduler.allocator.num_blocks:
+            raise NoCapacity(f"request needs {needed} KV blocks; this worker has {self.scheduler.allocator.num_blocks}")
+        try:
+            return await asyncio.wait_for(self.reserve(needed), timeout_s)
+        except asyncio.TimeoutError:
+            raise NoCapacity(f"no {needed} free KV blocks in time") from None
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

@@ -18,6 +18,11 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def blocks_in_budget(budget_mb: int, kv_bytes_per_token: int, block_size: int) -> int:
+    """KV blocks a worker's paged cache gets from `budget_mb` MiB (at least one)."""
+    return max(1, budget_mb * 1024 * 1024 // (kv_bytes_per_token * block_size))
+
+
 class BlockAllocator:
     """Free list of block ids. Not thread-safe: the owning event loop serialises calls."""
 

@@ -78,22 +78,23 @@ class ModelRunner:
             chunks.append(PrefillChunk(start, n, work.position, work.kv))
             if work.is_last:
                 rows.append(start + n - 1)
-        paged = None
+        num_prompt_rows = len(ids)
         if decode is not None:
             rows += range(len(ids), len(ids) + len(decode.input_ids))
             ids += decode.input_ids
             positions += decode.context_lens
-            paged = self._paged_step(decode)
-        logits = self.model.forward(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                                    chunks, paged, rows).cpu()
+        positions_t = torch.tensor(positions, device=self.device)
+        paged = None if decode is None else self._paged_step(decode, positions_t[num_prompt_rows:])
+        logits = self.model.forward(torch.tensor(ids, device=self.device), positions_t, chunks, paged, rows).cpu()
         num_last = len(rows) - (len(decode.input_ids) if decode is not None else 0)
         return logits[:num_last], (logits[num_last:] if decode is not None else None)
 
-    def _paged_step(self, decode: DecodeWork) -> PagedStep:
+    def _paged_step(self, decode: DecodeWork, positions: torch.Tensor) -> PagedStep:
+        """positions: [B], the decoding rows' positions (their context lengths), already on the device."""
         cache = decode.kv_cache
         return PagedStep(cache, cache.block_table_tensor(decode.tables, [n + 1 for n in decode.context_lens]),
-                         torch.tensor(decode.context_lens, device=self.device),
-                         cache.slot_tensor(decode.tables, decode.context_lens), self.model.args.sliding_window)
+                         positions, cache.slot_tensor(decode.tables, decode.context_lens),
+                         self.model.args.sliding_window)
 
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Whole prompts in one packed batch: last-token logits [B, V] and each prompt's KV

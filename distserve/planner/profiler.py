@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from distserve.engine.kv_cache import blocks_in_budget
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, load_model_spec
@@ -62,8 +63,8 @@ def model_label(model: str) -> str:
 
 
 def kv_capacity_tokens(kv_bytes_per_token: int, kv_cache_mb: int, block_size: int) -> int:
-    """Tokens a decode worker's paged cache holds, sized as services/decode/__main__.py sizes it."""
-    return max(1, kv_cache_mb * 1024 * 1024 // (kv_bytes_per_token * block_size)) * block_size
+    """Tokens a decode worker's paged cache holds (sized by the engine's blocks_in_budget, as the workers do)."""
+    return blocks_in_budget(kv_cache_mb, kv_bytes_per_token, block_size) * block_size
 
 
 def host_description(device: str, cpus: tuple[int, ...]) -> str:

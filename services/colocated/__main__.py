@@ -15,7 +15,7 @@ from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.dtype import resolve_dtype
-from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def build_engine(config: ColocatedConfig, model, spec: ModelSpec) -> ColocatedEngine:
     """A prefill batcher and a decode engine over one runner and one paged cache, driven by one loop."""
     dtype = DTYPES[config.dtype]
-    num_blocks = max(1, config.kv_cache_mb * 1024 * 1024 // (spec.kv_bytes_per_token(dtype) * config.block_size))
+    num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
                             dtype, config.device)
     runner = ModelRunner(model)

@@ -16,6 +16,7 @@ import grpc
 from distserve import tracing
 from distserve.convert import finish_to_proto, sampling_from_proto
 from distserve.engine.colocated_engine import ColocatedEngine
+from distserve.engine.decode_engine import NoCapacity
 from distserve.engine.model_spec import ModelSpec, prompt_error
 from distserve.engine.prefill_batcher import PrefillResult
 from distserve.engine.sequence import Sequence, stream_outputs
@@ -68,16 +69,10 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
 
     async def _reserve_blocks(self, prompt_len: int, max_tokens: int, context) -> list[int]:
         """Blocks for the whole request up front: a request is admitted only when it can finish."""
-        decode = self._engine.decode
-        needed = decode.scheduler.blocks_for(prompt_len, max_tokens)
-        if needed > decode.scheduler.allocator.num_blocks:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"request needs {needed} KV blocks; this worker has "
-                                f"{decode.scheduler.allocator.num_blocks}")
         try:
-            return await asyncio.wait_for(decode.reserve(needed), self._config.admission_timeout_s)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no {needed} free KV blocks in time")
+            return await self._engine.decode.reserve_for(prompt_len, max_tokens, self._config.admission_timeout_s)
+        except NoCapacity as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def _stream(self, seq: Sequence):
         async for token_ids, finish in stream_outputs(seq):

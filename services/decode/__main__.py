@@ -13,7 +13,7 @@ from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
 from distserve.engine.dtype import resolve_dtype
-from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 
 def build_engine(config: DecodeConfig, model, spec: ModelSpec) -> DecodeEngine:
     dtype = DTYPES[config.dtype]
-    block_bytes = spec.kv_bytes_per_token(dtype) * config.block_size
-    num_blocks = max(1, config.kv_cache_mb * 1024 * 1024 // block_bytes)
+    num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
                             dtype, config.device)
     scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)

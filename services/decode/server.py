@@ -17,7 +17,7 @@ from distserve.metrics import DecodeMetrics
 from distserve.transfer.connector import KvConsumer, TransferError
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
 from services.decode.config import DecodeConfig
-from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.decode_engine import DecodeEngine, NoCapacity
 from distserve.engine.sequence import Sequence, stream_outputs
 
 log = logging.getLogger(__name__)
@@ -110,15 +110,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return handle
 
     async def _reserve_blocks(self, prompt_len: int, max_tokens: int, context) -> list[int]:
-        allocator = self._engine.scheduler.allocator
-        needed = self._engine.scheduler.blocks_for(prompt_len, max_tokens)
-        if needed > allocator.num_blocks:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"request needs {needed} KV blocks; this worker has {allocator.num_blocks}")
         try:
-            return await asyncio.wait_for(self._engine.reserve(needed), self._config.admission_timeout_s)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no {needed} free KV blocks in time")
+            return await self._engine.reserve_for(prompt_len, max_tokens, self._config.admission_timeout_s)
+        except NoCapacity as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, context) -> float:
         layout = handle.layout

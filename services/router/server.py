@@ -101,11 +101,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._metrics.prompt_tokens.inc(len(prompt))
         return _Request(request_id, prompt, params, TextStream(self._tokenizer, params.stop), time.monotonic())
 
+    def _kv_tokens(self, req: _Request) -> int:
+        """Tokens of KV the request may need: prompt + max_tokens, capped at the context."""
+        return min(len(req.prompt) + req.params.max_tokens, self._spec.max_context)
+
     async def _route_colocated(self, req: _Request, context) -> WorkerRecord | None:
         """The colocated worker to send the whole request to, or None for the prefill/decode path."""
         if not self._picker.workers("colocated"):
             return None
-        num_tokens = min(len(req.prompt) + req.params.max_tokens, self._spec.max_context)
+        num_tokens = self._kv_tokens(req)
         colocated = self._picker.pick_colocated(num_tokens)
         prefill = self._picker.pick_prefill() if self._picker.workers("decode") else None
         if colocated is None and prefill is None:
@@ -159,7 +163,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _route(self, req: _Request, context) -> tuple[WorkerRecord, WorkerRecord]:
         with tracing.span("route", req.request_id) as span:
-            num_tokens = min(len(req.prompt) + req.params.max_tokens, self._spec.max_context)
+            num_tokens = self._kv_tokens(req)
             prefill_worker = self._picker.pick_prefill()
             decode_worker = prefill_worker and self._picker.pick_decode(num_tokens, prefill_worker.kv_format)
             if prefill_worker is None or not self._picker.workers("decode"):
@@ -227,7 +231,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             except _DecodeUnreachable as exc:
                 self._picker.mark_suspect(worker)
                 replacement = None if attempt else self._picker.pick_decode(
-                    min(len(req.prompt) + req.params.max_tokens, self._spec.max_context), worker.kv_format)
+                    self._kv_tokens(req), worker.kv_format)
                 if replacement is None or replacement.worker_id == worker.worker_id:
                     await self._abort_for(exc.error, worker, "decode", context)
                 log.warning("retry request_id=%s decode %s unreachable; using %s", req.request_id,
