@@ -17,7 +17,7 @@ HANDLE_STATE_READY: HandleState
 HANDLE_STATE_CLAIMED: HandleState
 
 class KvHandle(_message.Message):
-    __slots__ = ("handle_id", "request_id", "owner_worker_id", "owner_ucx_address", "layout", "state", "claimed_by", "lease_expires_at")
+    __slots__ = ("handle_id", "request_id", "owner_worker_id", "owner_ucx_address", "layout", "state", "claimed_by", "lease_expires_at", "kv_crc32c")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class KvHandle(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_BY_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    KV_CRC32C_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     request_id: str
     owner_worker_id: str
@@ -34,7 +35,8 @@ class KvHandle(_message.Message):
     state: HandleState
     claimed_by: str
     lease_expires_at: float
-    def __init__(self, handle_id: _Optional[str] = ..., request_id: _Optional[str] = ..., owner_worker_id: _Optional[str] = ..., owner_ucx_address: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., state: _Optional[_Union[HandleState, str]] = ..., claimed_by: _Optional[str] = ..., lease_expires_at: _Optional[float] = ...) -> None: ...
+    kv_crc32c: int
+    def __init__(self, handle_id: _Optional[str] = ..., request_id: _Optional[str] = ..., owner_worker_id: _Optional[str] = ..., owner_ucx_address: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., state: _Optional[_Union[HandleState, str]] = ..., claimed_by: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., kv_crc32c: _Optional[int] = ...) -> None: ...
 
 class RegisterHandleRequest(_message.Message):
     __slots__ = ("handle", "lease_s")
