@@ -1,15 +1,30 @@
-"""Request validation: every bad field is reported by name before any worker is touched."""
+"""Request validation: every bad field is reported by name before any worker is touched.
+
+Sizes are bounded before any work scales with them: stop strings, stop token ids
+and the prompt text's length are checked before the prompt is tokenized, so a
+hostile request costs at most one bounded tokenization. `validate_request_async`
+is the entry point for servers: it tokenizes large prompts in a thread, so other
+requests' streams on the same event loop keep flowing.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from distserve.convert import sampling_from_proto
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import SamplingParams
 
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM sets no limit
+MAX_STOP_STRING_BYTES = 1024  # UTF-8 bytes of one stop string (text is held back while it may match one)
+MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_LEN = 128
+# A prompt text longer than max_context * this many characters cannot fit the context (no tokenizer has
+# tokens that long), so it is refused before tokenizing it.
+MAX_CHARS_PER_TOKEN = 64
+# Prompt texts longer than this are tokenized in a thread (the tokenizer releases the GIL).
+THREAD_TOKENIZE_CHARS = 4096
 
 
 class InvalidRequest(ValueError):
@@ -49,25 +64,67 @@ def validate_sampling(params: SamplingParams, prompt_len: int, spec: ModelSpec) 
         check(math.isfinite(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
     check(0 <= params.min_tokens <= params.max_tokens, "min_tokens",
           f"must be in [0, max_tokens], got {params.min_tokens}")
-    check(len(params.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    validate_stops(params, spec)
+
+
+def validate_stops(params: SamplingParams, spec: ModelSpec) -> None:
+    """Stop strings and stop token ids: bounded in number and size, none empty, ids in the vocabulary."""
+    check(len(params.stop) <= MAX_STOP_STRINGS, "stop",
+          f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
     check(all(params.stop), "stop", "stop strings must not be empty")
+    longest = max((len(s.encode()) for s in params.stop), default=0)
+    check(longest <= MAX_STOP_STRING_BYTES, "stop",
+          f"each stop string must be at most {MAX_STOP_STRING_BYTES} bytes, got one of {longest}")
+    check(len(params.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+          f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(params.stop_token_ids)}")
     bad = next((t for t in params.stop_token_ids if not 0 <= t < spec.vocab_size), None)
     check(bad is None, "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {spec.vocab_size})")
 
 
 def validate_request(request, tokenizer, spec: ModelSpec) -> tuple[list[int], SamplingParams]:
-    """GenerateRequest -> (prompt token ids, sampling params), or InvalidRequest."""
+    """GenerateRequest -> (prompt token ids, sampling params), or InvalidRequest. Tokenizes on the caller's
+    thread: servers on an event loop call `validate_request_async`."""
+    params = _validate_before_tokenizing(request, spec)
+    tokens = _prompt_tokens(request, tokenizer)
+    validate_prompt(tokens, spec)
+    validate_sampling(params, len(tokens), spec)
+    return tokens, params
+
+
+async def validate_request_async(request, tokenizer, spec: ModelSpec) -> tuple[list[int], SamplingParams]:
+    """validate_request, with a prompt text over THREAD_TOKENIZE_CHARS tokenized in a worker thread.
+
+    Everything bounded and cheap is checked first on the loop, so an oversized or malformed request is
+    refused without a thread hop."""
+    _validate_before_tokenizing(request, spec)
+    if request.WhichOneof("prompt") == "text" and len(request.text) > THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(validate_request, request, tokenizer, spec)
+    return validate_request(request, tokenizer, spec)
+
+
+def _validate_before_tokenizing(request, spec: ModelSpec) -> SamplingParams:
+    """The checks whose cost does not grow with the prompt; returns the sampling params."""
     check(len(request.request_id) <= MAX_REQUEST_ID_LEN and request.request_id.isascii()
           and request.request_id.isprintable(), "request_id",
           f"must be printable ASCII and at most {MAX_REQUEST_ID_LEN} characters")
     which = request.WhichOneof("prompt")
     check(which is not None, "prompt", "text or token_ids is required")
     if which == "text":
+        max_chars = spec.max_context * MAX_CHARS_PER_TOKEN
         check(len(request.text) > 0, "prompt", "must not be empty")
-        tokens = tokenizer(request.text)["input_ids"]
+        check(len(request.text) <= max_chars, "prompt",
+              f"{len(request.text)} characters cannot fit the model's context of {spec.max_context} tokens "
+              f"(at most {max_chars} characters)")
     else:
-        tokens = list(request.token_ids.ids)
-    validate_prompt(tokens, spec)
+        num_ids = len(request.token_ids.ids)
+        check(num_ids < spec.max_context, "prompt",
+              f"{num_ids} tokens do not fit the model's context of {spec.max_context} tokens")
     params = sampling_from_proto(request.sampling)
-    validate_sampling(params, len(tokens), spec)
-    return tokens, params
+    validate_stops(params, spec)
+    return params
+
+
+def _prompt_tokens(request, tokenizer) -> list[int]:
+    if request.WhichOneof("prompt") == "text":
+        return list(tokenizer(request.text)["input_ids"])
+    return list(request.token_ids.ids)

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 
 from distserve.engine.sampling import SamplingParams
 from distserve.v1 import router_pb2
-from services.router.validation import MAX_REQUEST_ID_LEN, MAX_STOP_STRINGS, InvalidRequest, validate_request
+from services.router.validation import (
+    MAX_CHARS_PER_TOKEN,
+    MAX_REQUEST_ID_LEN,
+    MAX_STOP_STRING_BYTES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    THREAD_TOKENIZE_CHARS,
+    InvalidRequest,
+    validate_request,
+    validate_request_async,
+)
 from tests.builders import model_spec, sampling, token_request
 
 SPEC = model_spec(vocab_size=256, max_context=64)
+LONG_SPEC = model_spec(vocab_size=256, max_context=1024)  # room for prompts past THREAD_TOKENIZE_CHARS
 
 
 def char_tokenizer(text: str) -> dict:
@@ -68,6 +80,10 @@ BAD_REQUESTS = {
     "too-many-stop-strings": (token_request([5], stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), "stop"),
     "stop-token-id-at-vocab-size": (token_request([5], stop_token_ids=[SPEC.vocab_size]), "stop_token_ids"),
     "negative-stop-token-id": (token_request([5], stop_token_ids=[3, -2]), "stop_token_ids"),
+    "stop-string-too-long": (token_request([5], stop=["\u00e9" * (MAX_STOP_STRING_BYTES // 2 + 1)]), "stop"),
+    "too-many-stop-token-ids": (token_request([5], stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
+    "huge-token-id-list": (token_request([5] * 1_000_000), "prompt"),
+    "text-longer-than-any-tokenization": (text_request("a" * (SPEC.max_context * MAX_CHARS_PER_TOKEN + 1)), "prompt"),
 }
 
 
@@ -121,3 +137,44 @@ def test_the_context_limits_are_inclusive_where_they_fit():
 def test_longest_allowed_request_id_passes():
     tokens, _ = validate(router_pb2.GenerateRequest(request_id="r" * MAX_REQUEST_ID_LEN, text="ok"))
     assert tokens == [ord("o"), ord("k")]
+
+
+def test_stop_limits_are_inclusive():
+    _, params = validate(token_request([5], stop=["\u00e9" * (MAX_STOP_STRING_BYTES // 2)] * MAX_STOP_STRINGS,
+                                       stop_token_ids=[1] * MAX_STOP_TOKEN_IDS))
+    assert len(params.stop) == MAX_STOP_STRINGS and len(params.stop_token_ids) == MAX_STOP_TOKEN_IDS
+
+
+def test_oversized_text_is_refused_before_tokenizing():
+    def tokenizer_must_not_run(text: str) -> dict:
+        raise AssertionError("tokenized a prompt that was too long to fit")
+
+    request = text_request("a" * (SPEC.max_context * MAX_CHARS_PER_TOKEN + 1))
+    with pytest.raises(InvalidRequest, match="^prompt: .*characters cannot fit"):
+        validate_request(request, tokenizer_must_not_run, SPEC)
+
+
+def _thread_recording_tokenizer(threads: list[str]):
+    def tokenize(text: str) -> dict:
+        threads.append(threading.current_thread().name)
+        return {"input_ids": [ord(c) % SPEC.vocab_size for c in text[:10]]}
+
+    return tokenize
+
+
+async def test_async_validation_tokenizes_large_prompts_off_the_event_loop():
+    threads: list[str] = []
+    tokenizer = _thread_recording_tokenizer(threads)
+    small = await validate_request_async(text_request("hello", max_tokens=5), tokenizer, LONG_SPEC)
+    large = await validate_request_async(text_request("x" * (THREAD_TOKENIZE_CHARS + 1), max_tokens=5),
+                                         tokenizer, LONG_SPEC)
+    main = threading.current_thread().name
+    assert threads[0] == main and threads[1] != main
+    assert small[0] == [ord(c) for c in "hello"] and len(large[0]) == 10
+
+
+async def test_async_validation_names_the_bad_field():
+    with pytest.raises(InvalidRequest) as exc:
+        await validate_request_async(text_request("y" * (THREAD_TOKENIZE_CHARS + 1), temperature=-1.0),
+                                     _thread_recording_tokenizer([]), LONG_SPEC)
+    assert exc.value.field == "temperature"
