@@ -83,6 +83,7 @@ class ClusterSpec:
     colocated_args: list[str] = dataclasses.field(default_factory=list)
     cpus: str = ""  # cores to split among the workers, e.g. 0-3; empty: those the launcher may run on
     share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
+    supervise: bool = False  # True: restart any child that dies (see distserve.supervisor)
 
 
 def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
