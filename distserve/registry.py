@@ -5,6 +5,11 @@ Each worker writes `distserve:worker:<role>:<worker_id>` (JSON) with a TTL of
 disappears when the key expires or on graceful deregistration. A sorted set
 per role (`distserve:workers:<role>`, worker id scored by lease expiry) indexes
 the keys, so listing never scans the keyspace.
+
+Every timestamp here is Redis's clock (the TIME command), never the caller's:
+workers and router may run on machines whose clocks disagree, and a worker
+whose clock runs behind would otherwise look expired to a router whose clock
+runs ahead (or never expire, the other way round).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from typing import Callable
 
 import redis.asyncio as aioredis
@@ -44,13 +48,20 @@ def index_key(role: str) -> str:
     return f"distserve:workers:{role}"
 
 
+async def server_time(redis: aioredis.Redis) -> float:
+    """Seconds since the epoch by the Redis server's clock."""
+    seconds, microseconds = await redis.time()
+    return seconds + microseconds / 1e6
+
+
 class WorkerRegistry:
     def __init__(self, redis: aioredis.Redis, lease_s: float):
         self._redis = redis
         self.lease_s = lease_s
 
     async def publish(self, record: WorkerRecord) -> None:
-        record.updated_at = time.time()
+        """Writes the record under a lease of lease_s; sets record.updated_at to Redis's time."""
+        record.updated_at = await server_time(self._redis)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(worker_key(record.role, record.worker_id), json.dumps(dataclasses.asdict(record)),
                      px=int(self.lease_s * 1000))
@@ -65,7 +76,7 @@ class WorkerRegistry:
 
     async def list(self, role: str) -> list[WorkerRecord]:
         """Live workers of a role; records that fail to parse are skipped (and logged)."""
-        await self._redis.zremrangebyscore(index_key(role), "-inf", time.time())
+        await self._redis.zremrangebyscore(index_key(role), "-inf", await server_time(self._redis))
         ids = [i.decode() for i in await self._redis.zrange(index_key(role), 0, -1)]
         if not ids:
             return []

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
 
-from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat, worker_key
+from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat, index_key, worker_key
 
 LEASE_S = 0.3
 
@@ -100,3 +101,44 @@ async def test_heartbeat_survives_redis_errors():
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+class SkewedClock:
+    """A redis client whose TIME answers `skew_s` off the real server's: another machine's view of time."""
+
+    def __init__(self, client: aioredis.Redis, skew_s: float):
+        self._client = client
+        self.skew_s = skew_s
+        self.num_time_calls = 0
+
+    async def time(self):
+        self.num_time_calls += 1
+        seconds, microseconds = await self._client.time()
+        return int(seconds + self.skew_s), microseconds
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+async def test_liveness_follows_the_redis_clock_not_the_local_one(redis_client, monkeypatch):
+    # A worker whose clock is an hour behind publishes; a router with a right clock lists (and the reverse).
+    registry = WorkerRegistry(redis_client, lease_s=30)
+    real_time = time.time
+    for worker_skew_s in (-3600.0, 3600.0):
+        monkeypatch.setattr(time, "time", lambda skew=worker_skew_s: real_time() + skew)
+        await registry.publish(record("p0"))
+        monkeypatch.undo()
+        assert [r.worker_id for r in await registry.list("prefill")] == ["p0"]
+        await registry.remove("prefill", "p0")
+
+
+async def test_publish_stamps_and_list_prunes_by_server_time(redis_client):
+    # Publishing while Redis's clock reads an hour ago gives an index entry that is stale by the real clock.
+    skewed = SkewedClock(redis_client, skew_s=-3600)
+    await WorkerRegistry(skewed, lease_s=30).publish(record("p0"))
+    (server_seconds, _) = await redis_client.time()
+    assert abs(float(await redis_client.zscore(index_key("prefill"), "p0")) - (server_seconds - 3600 + 30)) < 2
+    assert skewed.num_time_calls == 1
+    listed = await WorkerRegistry(skewed, lease_s=30).list("prefill")  # by the clock it was stamped with: live
+    assert [r.worker_id for r in listed] == ["p0"] and skewed.num_time_calls == 2
+    assert await WorkerRegistry(redis_client, lease_s=30).list("prefill") == []  # by the real one: expired
