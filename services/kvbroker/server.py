@@ -11,7 +11,7 @@ from distserve import tracing
 from distserve.metrics import BrokerMetrics
 from distserve.v1 import kvbroker_pb2, kvbroker_pb2_grpc
 from services.kvbroker.config import KvBrokerConfig
-from services.kvbroker.store import HandleNotFound, HandleNotReady, HandleStore
+from services.kvbroker.store import HandleExists, HandleNotFound, HandleNotReady, HandleStore
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,11 @@ class KvBrokerServicer(kvbroker_pb2_grpc.KvBrokerServiceServicer):
             if error:
                 self._count(request, "register", "invalid")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-            stored = await self._store.register(handle, request.lease_s or self._config.default_lease_s)
+            try:
+                stored = await self._store.register(handle, request.lease_s or self._config.default_lease_s)
+            except HandleExists:
+                self._count(request, "register", "exists")
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"handle {handle.handle_id} already registered")
             self._count(request, "register", "ok")
             self._stats.num_registered += 1
             log.info("register handle=%s request_id=%s bytes=%d owner=%s", handle.handle_id,

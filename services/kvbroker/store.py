@@ -1,7 +1,8 @@
 """Handle records in Redis.
 
 Key `distserve:kv:<handle_id>` is a hash {handle: KvHandle bytes, state, owner}
-with a TTL equal to the lease. Claiming is atomic (a Lua script), so exactly one
+with a TTL equal to the lease. Registering refuses an id that exists and claiming
+is atomic (Lua scripts each), so a record is never overwritten and exactly one
 decode worker can claim a handle. Releasing deletes the key and publishes the
 handle id on the owner's channel `distserve:kv-release:<owner_worker_id>`,
 which tells the prefill worker to free the buffer.
@@ -20,6 +21,14 @@ from distserve.v1 import kvbroker_pb2
 
 HANDLE_KEY_PREFIX = "distserve:kv:"
 RELEASE_CHANNEL_PREFIX = "distserve:kv-release:"
+
+# Creates the record unless the key exists: 1 when created, 0 when the id is taken.
+_REGISTER = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'handle', ARGV[1], 'state', 'ready', 'owner', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
 
 # Returns the stored handle bytes on success, 0 when missing, 1 when not READY.
 _CLAIM = """
@@ -48,25 +57,26 @@ class HandleNotReady(RuntimeError):
     pass
 
 
+class HandleExists(RuntimeError):
+    """A handle with this id is registered already (another request's, or a retry's)."""
+
+
 class HandleStore:
     def __init__(self, redis: aioredis.Redis):
         self._redis = redis
+        self._register = redis.register_script(_REGISTER)
         self._claim = redis.register_script(_CLAIM)
 
     async def register(self, handle: kvbroker_pb2.KvHandle, lease_s: float) -> kvbroker_pb2.KvHandle:
+        """Stores a READY handle; raises HandleExists if the id is registered (never overwrites it)."""
         stored = kvbroker_pb2.KvHandle()
         stored.CopyFrom(handle)
         stored.state = kvbroker_pb2.HANDLE_STATE_READY
         stored.lease_expires_at = time.time() + lease_s
-        key = handle_key(handle.handle_id)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={
-                "handle": stored.SerializeToString(),
-                "state": "ready",
-                "owner": handle.owner_worker_id,
-            })
-            pipe.pexpire(key, int(lease_s * 1000))
-            await pipe.execute()
+        created = await self._register(keys=[handle_key(handle.handle_id)], args=[
+            stored.SerializeToString(), handle.owner_worker_id, max(1, int(lease_s * 1000))])
+        if not created:
+            raise HandleExists(handle.handle_id)
         return stored
 
     async def claim(self, handle_id: str, claimant: str, lease_s: float) -> kvbroker_pb2.KvHandle:

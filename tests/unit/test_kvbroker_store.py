@@ -8,7 +8,8 @@ import time
 import pytest
 
 from distserve.v1 import common_pb2, kvbroker_pb2
-from services.kvbroker.store import HandleNotFound, HandleNotReady, HandleStore, handle_key, release_channel
+from services.kvbroker.store import (HandleExists, HandleNotFound, HandleNotReady, HandleStore, handle_key,
+                                    release_channel)
 
 
 def kv_handle(handle_id: str = "h1", owner: str = "prefill-a") -> kvbroker_pb2.KvHandle:
@@ -41,6 +42,31 @@ async def test_register_stores_a_ready_handle_with_the_lease_as_ttl(store, redis
     assert 4000 < await redis_client.pttl(handle_key("h1")) <= 5000
     fields = await redis_client.hgetall(handle_key("h1"))
     assert fields[b"state"] == b"ready" and fields[b"owner"] == b"prefill-a"
+
+
+async def test_registering_an_existing_id_is_refused_and_keeps_the_first_record(store, redis_client):
+    await store.register(kv_handle(owner="prefill-a"), lease_s=5)
+    await store.claim("h1", claimant="decode-b", lease_s=30)
+    with pytest.raises(HandleExists):
+        await store.register(kv_handle(owner="prefill-z"), lease_s=1)
+    fields = await redis_client.hgetall(handle_key("h1"))
+    assert fields[b"state"] == b"claimed" and fields[b"owner"] == b"prefill-a", "the first record is untouched"
+    assert await redis_client.pttl(handle_key("h1")) > 25_000, "the first record keeps its lease"
+
+
+async def test_concurrent_registrations_of_one_id_have_one_winner(store, redis_client):
+    owners = [f"prefill-{i}" for i in range(8)]
+    results = await asyncio.gather(*(store.register(kv_handle(owner=o), 5) for o in owners), return_exceptions=True)
+    winners = [o for o, r in zip(owners, results) if isinstance(r, kvbroker_pb2.KvHandle)]
+    assert len(winners) == 1 and sum(isinstance(r, HandleExists) for r in results) == 7
+    assert await redis_client.hget(handle_key("h1"), "owner") == winners[0].encode()
+
+
+async def test_an_expired_id_may_be_registered_again(store):
+    await store.register(kv_handle(), lease_s=0.2)
+    await asyncio.sleep(0.35)
+    again = await store.register(kv_handle(owner="prefill-b"), lease_s=5)
+    assert again.owner_worker_id == "prefill-b"
 
 
 async def test_claim_returns_the_handle_and_extends_the_lease(store, redis_client):
