@@ -44,6 +44,8 @@ class RouterMetrics:
         self.success = Counter(PREFIX + "request_success", "Finished requests", ["finished_reason"])
         self.failures = Counter(PREFIX + "request_failure", "Requests that ended in an error", ["code"])
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in flight through the router")
+        self.retries = Counter(PREFIX + "request_retries", "Requests re-prefilled and moved to other workers "
+                               "after a worker or its KV was lost, by the stage that failed", ["stage"])
 
 
 class PrefillMetrics:

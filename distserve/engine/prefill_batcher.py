@@ -73,6 +73,7 @@ class _Pending:
     num_skipped: int = 0  # consecutive batches this prompt waited through
     started_at: float = 0.0
     started_ns: int = 0
+    next_token: int | None = None  # known already (a migrated request): returned instead of sampling
 
     @property
     def num_remaining(self) -> int:
@@ -115,9 +116,12 @@ class PrefillBatcher:
     def outstanding_tokens(self) -> int:
         return self.num_running_tokens + sum(p.num_remaining for p in self._waiting)
 
-    async def submit(self, prompt: list[int], params: SamplingParams) -> PrefillResult:
-        """Queues a prompt and waits for its result; cancelling drops it from the queue."""
-        pending = _Pending(prompt, params, asyncio.get_running_loop().create_future())
+    async def submit(self, prompt: list[int], params: SamplingParams, next_token: int | None = None) -> PrefillResult:
+        """Queues a prompt and waits for its result; cancelling drops it from the queue.
+
+        With `next_token` (a migrated request: `prompt` is the prompt plus the completion so far, less
+        the last token) nothing is sampled: the result's first token is `next_token`, unfinished."""
+        pending = _Pending(prompt, params, asyncio.get_running_loop().create_future(), next_token=next_token)
         self._waiting.append(pending)
         self._wakeup.set()
         return await pending.future
@@ -219,12 +223,19 @@ class PrefillBatcher:
     def _result(self, pending: _Pending, logits: torch.Tensor, ended: float, end_ns: int, batch_size: int,
                 batch_tokens: int) -> PrefillResult | Exception:
         params = pending.params
+        if pending.next_token is not None:
+            return self._packaged(pending, pending.next_token, None, ended, end_ns, batch_size, batch_tokens)
         try:
             token = sample_token(logits, params, 0, banned_token_ids(params, self._eos_ids, 0),
                                  prompt_token_ids=pending.prompt, output_token_ids=())
         except Exception as exc:  # e.g. non-finite probabilities: fails this request only
             return exc
         finish = finish_reason_for(token, 1, len(pending.prompt) + 1, params, self._eos_ids, self._max_context)
+        return self._packaged(pending, token, finish, ended, end_ns, batch_size, batch_tokens)
+
+    @staticmethod
+    def _packaged(pending: _Pending, token: int, finish: FinishReason | None, ended: float, end_ns: int,
+                  batch_size: int, batch_tokens: int) -> PrefillResult:
         kv = pending.kv if pending.kv.device.type == "cpu" else pending.kv.cpu()  # UCX today is host-staged
         return PrefillResult(token, finish, kv, pending.started_at - pending.enqueued_at,
                              ended - pending.started_at, pending.enqueued_ns, pending.started_ns, end_ns,

@@ -32,7 +32,20 @@ def request_error(request, spec: ModelSpec) -> str | None:
         return f"first_token_id: {request.first_token_id} is outside the vocabulary"
     if request.sampling.HasField("max_tokens") and request.sampling.max_tokens <= 0:
         return "sampling.max_tokens: must be > 0"
+    outputs = request.output_token_ids
+    if outputs and outputs[-1] != request.first_token_id:
+        return "output_token_ids: the last one must be first_token_id"
+    if any(not 0 <= t < spec.vocab_size for t in outputs):
+        return "output_token_ids: a token id is outside the vocabulary"
+    if outputs and request.sampling.HasField("max_tokens") and len(outputs) >= request.sampling.max_tokens:
+        return f"output_token_ids: {len(outputs)} tokens already reach sampling.max_tokens"
     return None
+
+
+def completion_so_far(request) -> list[int]:
+    """The completion tokens the request arrives with: all of them for a migrated request, else the
+    first token alone. The KV to pull covers the prompt and all of these but the last."""
+    return list(request.output_token_ids) or [request.first_token_id]
 
 
 def layout_error(layout: common_pb2.KvLayout, spec: ModelSpec, dtype: str, prompt_len: int) -> str | None:
@@ -66,12 +79,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
-        seq = Sequence(rid, prompt + [request.first_token_id], len(prompt), params, [], asyncio.Queue())
+        seq = Sequence(rid, prompt + completion_so_far(request), len(prompt), params, [], asyncio.Queue())
         in_engine = owns_handle = False
         try:
             with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id}):
                 # Blocks first: once claimed, the KV is pulled at once, well within the owner's lease.
-                seq.block_table = await self._reserve_blocks(len(prompt), params.max_tokens, context)
+                seq.block_table = await self._reserve_blocks(seq.context_len, params.max_tokens - seq.num_generated + 1,
+                                                             context)
                 handle = await self._claim(request, context)
                 owns_handle = True
                 transfer_s = await self._load_kv(handle, seq, context)
@@ -103,7 +117,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND,
                                                 grpc.StatusCode.FAILED_PRECONDITION) else grpc.StatusCode.ABORTED
             await context.abort(code, f"claim of kv_handle_id {request.kv_handle_id} failed: {exc.details()}")
-        error = layout_error(handle.layout, self._spec, self._config.dtype, len(request.prompt_token_ids))
+        kv_tokens = len(request.prompt_token_ids) + len(completion_so_far(request)) - 1
+        error = layout_error(handle.layout, self._spec, self._config.dtype, kv_tokens)
         if error:
             self._broker.release_soon(request.kv_handle_id, "layout mismatch", request.request_id)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)

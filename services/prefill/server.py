@@ -12,6 +12,7 @@ import grpc
 from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
+from distserve.engine.sampling import SamplingParams
 from distserve.engine.model_spec import ModelSpec, prompt_error
 from distserve.metrics import PrefillMetrics
 from distserve.transfer.connector import KvProducer
@@ -45,14 +46,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         with tracing.server_context(context), tracing.span("prefill", rid, **{
                 "gen_ai.operation.name": "text_completion", "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
                 "distserve.worker": self._config.resolved_worker_id}):
-            params = sampling_from_proto(request.sampling)
-            error = prompt_error(request.prompt_token_ids, self._spec)
-            if request.kv_handle_id and not HANDLE_ID.fullmatch(request.kv_handle_id):
-                error = "kv_handle_id: must be 1 to 64 characters of [A-Za-z0-9_-]"
-            if error or params.max_tokens <= 0:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error or "sampling.max_tokens: must be > 0")
-            prompt = list(request.prompt_token_ids)
-            result = await self._batcher.submit(prompt, params)
+            prompt, params, next_token = await self._validated(request, context)
+            result = await self._batcher.submit(prompt, params, next_token)
             self._record(rid, len(prompt), result)
             response = prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=result.first_token, finish_reason=finish_to_proto(result.finish_reason),
@@ -63,6 +58,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))
             await self._register(rid, response, result.kv, context)
             return response
+
+    async def _validated(self, request, context) -> tuple[list[int], SamplingParams, int | None]:
+        """The tokens to prefill, the sampling parameters, and the known next token of a migrated
+        request (output_token_ids set: the KV covers prompt + output_token_ids[:-1]); aborts with
+        INVALID_ARGUMENT naming the field."""
+        params = sampling_from_proto(request.sampling)
+        outputs = list(request.output_token_ids)
+        tokens = list(request.prompt_token_ids) + outputs[:-1]
+        error = prompt_error(request.prompt_token_ids, self._spec) or prompt_error(tokens, self._spec)
+        if outputs and not error:
+            error = prompt_error(outputs, self._spec)
+            error = error and error.replace("prompt_token_ids", "output_token_ids")
+        if request.kv_handle_id and not HANDLE_ID.fullmatch(request.kv_handle_id):
+            error = "kv_handle_id: must be 1 to 64 characters of [A-Za-z0-9_-]"
+        if error or params.max_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error or "sampling.max_tokens: must be > 0")
+        return tokens, params, (outputs[-1] if outputs else None)
 
     def _record(self, rid: str, num_tokens: int, result: PrefillResult) -> None:
         """Stage spans, metrics and the log line for one finished prefill."""
@@ -101,7 +113,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         except grpc.aio.AioRpcError as exc:
             self._held.free(handle_id)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"kvbroker register failed: {exc.details()}")
+            # Not UNAVAILABLE: to the router that means "this prefill worker is unreachable", and a
+            # healthy worker must not be skipped because the broker is down.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kvbroker register failed: {exc.details()}")
 
     async def GetPrefillStats(self, request, context):
         return prefill_pb2.GetPrefillStatsResponse(

@@ -21,8 +21,11 @@ class RouterConfig:
     registry_refresh_s: float = setting(0.5, "how often to re-read the worker registry")
     suspect_s: float = setting(5.0, "skip a worker this long after a call to it failed to connect")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
+    max_retries: int = setting(2, "times one request may be re-prefilled and moved to other workers after "
+                                  "a worker or its KV is lost (request migration)")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        require(self.max_retries >= 0, "max_retries", "must be >= 0")
         require(self.registry_refresh_s > 0, "registry_refresh_s", "must be > 0")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -24,7 +23,7 @@ from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_p
 from services.router.config import RouterConfig
 from services.router.picker import WorkerPicker
 from services.router.text_stream import TextStream
-from services.router.validation import InvalidRequest, validate_request
+from services.router.validation import InvalidRequest, validate_request_async
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +32,20 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
                  grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
-class _DecodeUnreachable(Exception):
-    """The decode worker could not be reached; nothing was claimed or streamed."""
+# Worker failures another worker can make up for. UNAVAILABLE: the worker is unreachable or died.
+# ABORTED / NOT_FOUND: the KV could not be pulled (its owner died, a transfer failed or timed out, a
+# checksum did not match) or its handle is gone; workers use these codes for nothing else.
+_RETRYABLE = {"prefill": {grpc.StatusCode.UNAVAILABLE},
+              "decode": {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}}
 
-    def __init__(self, error: grpc.aio.AioRpcError):
-        super().__init__(error.details())
-        self.error = error
+
+class _StageFailed(Exception):
+    """A worker call failed; `retryable` when another worker may succeed where this one did not."""
+
+    def __init__(self, error: grpc.aio.AioRpcError, worker: WorkerRecord, stage: str):
+        super().__init__(f"{stage} worker {worker.worker_id}: {error.details()}")
+        self.error, self.worker, self.stage = error, worker, stage
+        self.retryable = error.code() in _RETRYABLE[stage]
 
 
 @dataclasses.dataclass
@@ -50,6 +57,9 @@ class _Request:
     started: float
     num_completion: int = 0
     last_message_at: float = 0.0
+    outputs: list[int] = dataclasses.field(default_factory=list)  # completion tokens streamed so far
+    num_retries: int = 0
+    timings: common_pb2.Timings = dataclasses.field(default_factory=common_pb2.Timings)
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -78,17 +88,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         yield message
                     return
                 prefill_worker, decode_worker = await self._route(req, context)
-                # The decode worker counts as loaded from the moment it is chosen, so concurrent
-                # requests spread out instead of all seeing the same idle worker.
-                with self._picker.track(decode_worker, 1):
-                    async for message in self._run(req, prefill_worker, decode_worker, context):
-                        yield message
+                async for message in self._run(req, prefill_worker, decode_worker, context):
+                    yield message
         finally:
             self._metrics.running.dec()
 
     async def _accept(self, request, request_id: str, context) -> _Request:
         try:
-            prompt, params = validate_request(request, self._tokenizer, self._spec)
+            prompt, params = await validate_request_async(request, self._tokenizer, self._spec)
         except InvalidRequest as exc:
             self._metrics.failures.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -134,7 +141,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         call = stub.PrefillAndDecode(colocated_pb2.PrefillAndDecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt, sampling=sampling_to_proto(req.params),
         ), timeout=self._config.request_timeout_s)
-        timings = common_pb2.Timings()
+        timings = req.timings
         try:
             with self._picker.track(worker, len(req.prompt)):  # until the first token: prompt tokens in flight
                 response = await call.read()
@@ -146,7 +153,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if is_first:
                     timings.first_token_s = time.monotonic() - req.started
                     self._metrics.ttft.observe(timings.first_token_s)
-                message = self._chunk(req, list(response.token_ids), finish, timings)
+                message = self._chunk(req, list(response.token_ids), finish)
                 if is_first:
                     message.prefill_worker = message.decode_worker = worker.worker_id
                 if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -190,80 +197,100 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return prefill_worker, decode_worker
 
     async def _run(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord, context):
-        # The router names the KV handle, so it can release it whatever happens to the prefill call.
-        handle_id = uuid.uuid4().hex
-        decode_finished = False
+        """Prefill, then decode, streaming. A worker lost on the way, or KV that cannot be pulled, is
+        replaced: the prompt plus the completion so far is prefilled again on a live prefill worker
+        and decoding continues on a live decode worker (request migration), at most max_retries times.
+        The client sees one stream: nothing already sent is sent again."""
+        handle_id, handed_off = "", False
         try:
-            with self._picker.track(prefill_worker, len(req.prompt)):
-                first = await self._prefill(req, prefill_worker, handle_id, context)
-            timings = common_pb2.Timings()
-            timings.MergeFrom(first.timings)
-            timings.first_token_s = time.monotonic() - req.started
-            self._metrics.ttft.observe(timings.first_token_s)
-            finish = finish_from_proto(first.finish_reason)
-            message = self._chunk(req, [first.first_token_id], finish, timings)
-            message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
-            yield message
-            if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                decode_finished = not first.kv_handle_id  # a stop string on the first token leaves KV held
-                return
-            async for message in self._decode_with_retry(req, first, decode_worker, timings, context):
-                yield message
-            decode_finished = True
+            while True:
+                # The router names the KV handle, so it can release it whatever happens to the prefill call.
+                handle_id, secret = uuid.uuid4().hex, secrets.token_hex(16)
+                try:
+                    with self._picker.track(decode_worker, 1):
+                        async for message in self._attempt(req, prefill_worker, decode_worker, handle_id, secret):
+                            yield message
+                    handed_off = True
+                    return
+                except _StageFailed as failure:
+                    self._broker.release_soon(handle_id, "retried", req.request_id)
+                    prefill_worker, decode_worker = await self._replace_workers(req, failure, context)
         finally:
-            if not decode_finished:
+            if not handed_off and handle_id:
                 # cancelled, failed, or never handed to decode: free the KV (releasing twice is harmless)
                 self._broker.release_soon(handle_id, "cancelled", req.request_id)
 
-    async def _decode_with_retry(self, req: _Request, first, worker: WorkerRecord, timings, context):
-        """Decodes on `worker`; if it cannot be reached at all, once more on another decode worker.
-
-        Unreachable means no decode worker claimed the handle, so the KV is still there to pull.
-        """
-        for attempt in range(2):
-            try:
-                with self._picker.track(worker, 1) if attempt else contextlib.nullcontext():
-                    async for message in self._decode(req, first, worker, timings):
-                        yield message
+    async def _attempt(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord,
+                       handle_id: str, secret: str):
+        """One try at the rest of the request. Raises _StageFailed if a worker failed in a way another
+        worker can make up for; the request's own errors abort the call."""
+        with self._picker.track(prefill_worker, len(req.prompt) + len(req.outputs)):
+            first = await self._prefill(req, prefill_worker, handle_id, secret)
+        if not req.outputs:
+            message = self._first_message(req, first, prefill_worker, decode_worker)
+            yield message
+            if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                if first.kv_handle_id:  # a stop string on the first token leaves KV held
+                    self._broker.release_soon(handle_id, "finished", req.request_id)
                 return
-            except grpc.aio.AioRpcError as exc:
-                await self._abort_for(exc, worker, "decode", context)
-            except _DecodeUnreachable as exc:
-                self._picker.mark_suspect(worker)
-                replacement = None if attempt else self._picker.pick_decode(
-                    self._kv_tokens(req), worker.kv_format)
-                if replacement is None or replacement.worker_id == worker.worker_id:
-                    await self._abort_for(exc.error, worker, "decode", context)
-                log.warning("retry request_id=%s decode %s unreachable; using %s", req.request_id,
-                            worker.worker_id, replacement.worker_id)
-                worker = replacement
+        async for message in self._decode(req, first, decode_worker, secret):
+            yield message
+
+    def _first_message(self, req: _Request, first, prefill_worker: WorkerRecord,
+                       decode_worker: WorkerRecord) -> router_pb2.GenerateResponse:
+        req.timings.MergeFrom(first.timings)
+        req.timings.first_token_s = time.monotonic() - req.started
+        self._metrics.ttft.observe(req.timings.first_token_s)
+        message = self._chunk(req, [first.first_token_id], finish_from_proto(first.finish_reason))
+        message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
+        return message
+
+    async def _replace_workers(self, req: _Request, failure: "_StageFailed",
+                               context) -> tuple[WorkerRecord, WorkerRecord]:
+        """New workers for a request whose `failure.stage` failed; aborts the call when the failure is
+        not one another worker can make up for, or the request is out of retries."""
+        error, worker = failure.error, failure.worker
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            self._picker.mark_suspect(worker)
+        if not failure.retryable or req.num_retries >= self._config.max_retries:
+            await self._abort_for(error, worker, failure.stage, context)
+        req.num_retries += 1
+        self._metrics.retries.labels(stage=failure.stage).inc()
+        with tracing.span("retry", req.request_id) as span:
+            span.set_attributes({"distserve.retry.number": req.num_retries, "distserve.retry.stage": failure.stage,
+                                 "distserve.retry.failed_worker": worker.worker_id,
+                                 "distserve.retry.code": error.code().name, "distserve.retry.reason": error.details(),
+                                 "distserve.retry.completion_tokens": len(req.outputs)})
+            log.warning("retry request_id=%s %s worker %s failed (%s: %s); re-prefilling %d+%d tokens",
+                        req.request_id, failure.stage, worker.worker_id, error.code().name, error.details(),
+                        len(req.prompt), max(len(req.outputs) - 1, 0))
+            return await self._route(req, context)
 
     async def _prefill(self, req: _Request, worker: WorkerRecord, handle_id: str,
-                       context) -> prefill_pb2.PrefillResponse:
+                       secret: str) -> prefill_pb2.PrefillResponse:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channels.get(worker.address))
         call = prefill_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                          sampling=sampling_to_proto(req.params), kv_handle_id=handle_id)
+                                          sampling=sampling_to_proto(req.params), kv_handle_id=handle_id,
+                                          output_token_ids=req.outputs, kv_secret=secret)
         try:
             return await stub.Prefill(call, timeout=self._config.request_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            await self._abort_for(exc, worker, "prefill", context)
+            raise _StageFailed(exc, worker, "prefill") from exc
 
-    async def _decode(self, req: _Request, first, worker: WorkerRecord, timings):
-        """Streams the decode worker's tokens. Raises _DecodeUnreachable if it failed before any,
-        other worker errors as grpc.aio.AioRpcError."""
+    async def _decode(self, req: _Request, first, worker: WorkerRecord, secret: str):
+        """Streams the decode worker's tokens; raises _StageFailed if the worker fails."""
         stub = decode_pb2_grpc.DecodeServiceStub(self._channels.get(worker.address))
         call = stub.Decode(decode_pb2.DecodeRequest(
             request_id=req.request_id, kv_handle_id=first.kv_handle_id, prompt_token_ids=req.prompt,
             first_token_id=first.first_token_id, sampling=sampling_to_proto(req.params),
+            output_token_ids=req.outputs, kv_secret=secret,
         ), timeout=self._config.request_timeout_s)
-        received_any = False
         try:
             async for response in call:
-                received_any = True
                 finish = finish_from_proto(response.finish_reason)
                 if finish is not None:
-                    timings.MergeFrom(response.timings)
-                message = self._chunk(req, list(response.token_ids), finish, timings)
+                    req.timings.MergeFrom(response.timings)
+                message = self._chunk(req, list(response.token_ids), finish)
                 yield message
                 if finish is not None:
                     async for _ in call:  # the worker's stream ends right after its last message;
@@ -272,14 +299,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     return  # a stop string ended it first: the finally cancels the worker's call
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and not received_any:
-                raise _DecodeUnreachable(exc) from exc
-            raise
+            raise _StageFailed(exc, worker, "decode") from exc
         finally:
             call.cancel()
 
-    def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None,
-               timings: common_pb2.Timings) -> router_pb2.GenerateResponse:
+    def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None) -> router_pb2.GenerateResponse:
         now = time.monotonic()
         if req.num_completion and token_ids:
             for _ in token_ids:
@@ -293,6 +317,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 finish = FinishReason.STOP
                 break
         token_ids = kept
+        req.outputs.extend(token_ids)
         req.num_completion += len(token_ids)
         self._metrics.generation_tokens.inc(len(token_ids))
         if finish is not None:
@@ -300,12 +325,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         message = router_pb2.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text,
                                               finish_reason=finish_to_proto(finish))
         if finish is not None:
-            self._finish(req, finish, message, timings)
+            self._finish(req, finish, message)
         return message
 
-    def _finish(self, req: _Request, finish: FinishReason, message, timings: common_pb2.Timings) -> None:
+    def _finish(self, req: _Request, finish: FinishReason, message) -> None:
         message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=req.num_completion))
-        message.timings.CopyFrom(timings)
+        message.timings.CopyFrom(req.timings)
         e2e_s = time.monotonic() - req.started
         self._metrics.e2e.observe(e2e_s)
         self._metrics.success.labels(finished_reason=finish.value).inc()
