@@ -8,6 +8,7 @@ handler, whose `finally` cancels the router call.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -34,6 +35,7 @@ from services.router.gateway.openai_protocol import (
 )
 from services.router.gateway.responses import ID_PREFIX, AnswerMeta
 from services.router.gateway.router_client import RouterClient
+from services.router.validation import THREAD_TOKENIZE_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,11 @@ class Gateway:
         return await self._answer(request, parse_completion(body))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = parse_json_object(await request.read())
+        raw = await request.read()
+        body = parse_json_object(raw)
         check_model(requested_model(body), self.served_model_name)
+        if len(raw) > THREAD_TOKENIZE_CHARS:  # the chat template tokenizes: keep other streams flowing
+            return await self._answer(request, await asyncio.to_thread(parse_chat, body, self._template))
         return await self._answer(request, parse_chat(body, self._template))
 
     async def _answer(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:

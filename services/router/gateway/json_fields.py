@@ -9,26 +9,64 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from services.router.gateway.errors import ApiError, bad_request
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+MAX_JSON_DEPTH = 32  # no OpenAI request nests deeper than ~6 (messages[i].content[j].text)
+# A \uD800-\uDFFF escape: the only way a JSON text that is valid UTF-8 can carry a UTF-16 surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def parse_json_object(raw: bytes) -> Body:
-    """Request bytes -> Body; invalid UTF-8, invalid JSON, NaN/Infinity or a non-object are 400s."""
+    """Request bytes -> Body. 400s: invalid UTF-8, invalid JSON, NaN/Infinity, a non-object, nesting deeper
+    than MAX_JSON_DEPTH, and strings with lone surrogates (valid JSON, but not Unicode text: no UTF-8
+    encoding, so no tokenizer or protobuf field can take them)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise bad_request(None, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})")
     try:
         data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request(None, f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep")
     except (json.JSONDecodeError, ValueError) as exc:
         raise bad_request(None, f"the request body is not valid JSON: {exc}")
     if not isinstance(data, dict):
-        raise bad_request(None, "the request body must be a JSON object")
+        raise bad_request(None, f"the request body must be a JSON object, got {type(data).__name__}")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH or _SURROGATE_ESCAPE.search(raw):
+        check_depth_and_text(data)
     return Body(data)
+
+
+def check_depth_and_text(data: dict[str, Any]) -> None:
+    """400 naming the first value nested deeper than MAX_JSON_DEPTH or string with a lone surrogate."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise bad_request(path or None, "contains a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                                                "not part of a pair), which is not valid Unicode text")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            field = re.split(r"[.\[]", path, maxsplit=1)[0]  # the top-level field: the full path is as deep
+            raise bad_request(field or None, f"nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            stack.append((key, path, depth))  # keys are strings too (dict keys; list indexes pass)
+            stack.append((item, _child_path(path, key), depth + 1))
+
+
+def _child_path(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
 
 
 def _reject_constant(name: str) -> Any:
@@ -120,9 +158,9 @@ class Body:
 
 
 def check_int_list(name: str, values: list[Any], lo: int = INT32_MIN, hi: int = INT32_MAX) -> None:
-    bad = next((v for v in values if not is_int(v) or not lo <= v <= hi), None)
-    if bad is not None:
-        raise bad_request(name, f"must be an array of integers in [{lo}, {hi}], got {show(bad)}")
+    bad = next((i for i, v in enumerate(values) if not is_int(v) or not lo <= v <= hi), None)
+    if bad is not None:  # an index: the bad value itself may be null
+        raise bad_request(name, f"must be an array of integers in [{lo}, {hi}], got {show(values[bad])}")
 
 
 def _wrong_type(name: str, expected: str, value: Any) -> ApiError:

@@ -21,6 +21,7 @@ from distserve.v1 import common_pb2, router_pb2
 from services.router.gateway.chat_template import ChatTemplate
 from services.router.gateway.errors import ApiError, bad_request
 from services.router.gateway.json_fields import Body, check_int_list, is_int, is_number, show
+from services.router.validation import MAX_CHARS_PER_TOKEN
 
 
 class Endpoint(enum.Enum):
@@ -113,11 +114,21 @@ def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
     body.get_int("max_tokens")  # type-checked even when max_completion_tokens (the newer name) wins
     request = _parse_common(body, Endpoint.CHAT, CHAT_FIELDS, max_tokens_field)
     messages = [_chat_message(i, m) for i, m in enumerate(_required_list(body, "messages"))]
+    _check_chat_fits(messages, template.max_context)
     prompt = tuple(template.encode(messages))
     if not request.sampling.HasField("max_tokens") and 0 < len(prompt) < template.max_context:
         # OpenAI's chat default is no limit: answer up to the end of the model's context.
         request.sampling.max_tokens = template.max_context - len(prompt)
     return dataclasses.replace(request, prompt=prompt)
+
+
+def _check_chat_fits(messages: list[dict[str, str]], max_context: int) -> None:
+    """Refuses, before templating and tokenizing them, messages too long for any tokenization to fit."""
+    num_chars = sum(len(m["content"]) for m in messages)
+    max_chars = max_context * MAX_CHARS_PER_TOKEN
+    if max_context and num_chars > max_chars:
+        raise bad_request("messages", f"{num_chars} characters of content cannot fit the model's context of "
+                                      f"{max_context} tokens (at most {max_chars} characters)")
 
 
 def _parse_common(body: Body, endpoint: Endpoint, allowed: frozenset[str], max_tokens_field: str) -> ApiRequest:
