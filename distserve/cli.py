@@ -38,14 +38,16 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     parser.add_argument("--gateway-port", type=int, default=8000, help="HTTP gateway port; -1: no gateway")
     parser.add_argument("--served-model-name", default="", help="model name in the OpenAI API (default: folder)")
-    parser.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` on the gateway")
+    parser.add_argument("--api-key-file", default="",
+                        help="require `Authorization: Bearer KEY` on the gateway, KEY read from this file "
+                             "(or set DISTSERVE_API_KEY; never on the command line, where `ps` shows it)")
     parser.add_argument("--log-dir", default="", help="where each process writes its log")
 
 
 def _spec(args) -> ClusterSpec:
     # Build (or find) the model once here, so the workers only load it.
     gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
-    gateway_args += ["--api-key", args.api_key] if args.api_key else []
+    gateway_args += ["--api-key-file", args.api_key_file] if args.api_key_file else []
     default = 0 if args.colocated else 1
     num_prefill = default if args.prefill is None else args.prefill
     num_decode = default if args.decode is None else args.decode

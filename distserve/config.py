@@ -22,8 +22,9 @@ class ConfigError(ValueError):
     """A setting is invalid; the message starts with the field's name."""
 
 
-def setting(default: Any, help: str, env: str | None = None) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, "env": env})
+def setting(default: Any, help: str, env: str | None = None, flag: bool = True) -> Any:
+    """flag=False: settable only by the environment variable, for secrets (argv is visible to `ps`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "env": env, "flag": flag})
 
 
 def env_name(field: dataclasses.Field, prefix: str) -> str:
@@ -46,9 +47,11 @@ def _converter(kind: Any):
 def parse_config(cls: type[T], argv: Sequence[str] | None, prefix: str, description: str = "") -> T:
     """Builds cls from command-line flags and environment variables."""
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=description or cls.__doc__)
+    parser = argparse.ArgumentParser(description=description or cls.__doc__, allow_abbrev=False)  # exact names
     for field in dataclasses.fields(cls):
         name = env_name(field, prefix)
+        if not field.metadata.get("flag", True):
+            continue
         parser.add_argument(
             "--" + field.name.replace("_", "-"),
             dest=field.name,
@@ -59,7 +62,7 @@ def parse_config(cls: type[T], argv: Sequence[str] | None, prefix: str, descript
     args = parser.parse_args(argv)
     values = {}
     for field in dataclasses.fields(cls):
-        value = getattr(args, field.name)
+        value = getattr(args, field.name, None)
         if value is None and env_name(field, prefix) in os.environ:
             raw = os.environ[env_name(field, prefix)]
             try:

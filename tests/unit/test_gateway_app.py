@@ -57,10 +57,13 @@ async def test_version_and_models(client):
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                                      {"Authorization": f"Basic {KEY}"}])
-async def test_a_configured_api_key_is_required_on_v1(client, headers):
-    error = await error_of(await client.get("/v1/models", headers=headers), 401)
-    assert error["code"] == "invalid_api_key"
+async def test_a_configured_api_key_is_required_on_v1_and_metrics(client, headers):
+    for path in ("/v1/models", "/metrics"):
+        error = await error_of(await client.get(path, headers=headers), 401)
+        assert error["code"] == "invalid_api_key"
     assert (await client.get("/version")).status == 200  # not under /v1
+    reply = await client.get("/metrics", headers=AUTH)
+    assert reply.status == 200 and "distserve:http_requests_total" in await reply.text()
 
 
 async def test_aiohttp_errors_become_error_objects(client):
@@ -120,3 +123,24 @@ def test_config_flags_env_and_validation(monkeypatch):
         GatewayConfig(port=70000)
     with pytest.raises(ConfigError, match="^request_timeout_s:"):
         GatewayConfig(request_timeout_s=0)
+
+
+def test_the_api_key_is_not_a_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(GatewayConfig, ["--api-key", "sk-visible-to-ps"], prefix="DISTSERVE_GATEWAY_")
+    assert "unrecognized arguments: --api-key" in capsys.readouterr().err
+
+
+def test_the_api_key_is_read_from_a_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("DISTSERVE_API_KEY", raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    config = parse_config(GatewayConfig, ["--api-key-file", str(key_file)], prefix="DISTSERVE_GATEWAY_")
+    assert config.with_api_key_from_file().api_key == "sk-from-file"
+    with pytest.raises(ConfigError, match="^api_key_file: cannot read"):
+        GatewayConfig(api_key_file=str(tmp_path / "missing")).with_api_key_from_file()
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="^api_key_file: .* is empty"):
+        GatewayConfig(api_key_file=str(tmp_path / "empty")).with_api_key_from_file()
+    with pytest.raises(ConfigError, match="^api_key_file: set either"):
+        GatewayConfig(api_key="a", api_key_file=str(key_file))

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def main(argv: list[str] | None = None) -> None:
     setup_logging("gateway")
     init_tracing("distserve-gateway")
-    config = parse_config(GatewayConfig, argv, prefix="DISTSERVE_GATEWAY_")
+    config = parse_config(GatewayConfig, argv, prefix="DISTSERVE_GATEWAY_").with_api_key_from_file()
     path = resolve_model_path(config.model)
     template = ChatTemplate(load_tokenizer(path), load_model_spec(path).max_context)
     app = create_app(config, template, config.served_model_name or Path(path).name)

@@ -1,7 +1,8 @@
 """The aiohttp application: routes, API-key check, request ids, and errors as OpenAI error objects.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}]
-(API key required when configured), GET /health (ready to serve), GET /version.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
+GET /metrics (these need the API key when one is configured), GET /health (ready to
+serve), GET /version.
 Run with handler_cancellation=True: a client that disconnects cancels its
 handler, whose `finally` cancels the router call.
 """
@@ -189,12 +190,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def api_key_middleware(api_key: str) -> Callable:
-    """401 on /v1/* unless `Authorization: Bearer <api_key>`."""
+    """401 on /v1/* and /metrics unless `Authorization: Bearer <api_key>`; /health and /version stay open
+    (probes carry no key and learn nothing private from them)."""
     expected = api_key.encode()
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path == "/metrics":
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
                 raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
