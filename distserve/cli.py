@@ -15,6 +15,8 @@ import grpc
 from distserve.config import ConfigError
 from distserve.engine.dtype import DTYPE_CHOICES
 from distserve.engine.model_loader import resolve_model_path
+from distserve.dev_certs import make_dev_certs
+from distserve.grpc_server import PLAINTEXT
 from distserve.launcher import Cluster, ClusterSpec
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -42,6 +44,8 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="require `Authorization: Bearer KEY` on the gateway, KEY read from this file "
                              "(or set DISTSERVE_API_KEY; never on the command line, where `ps` shows it)")
     parser.add_argument("--log-dir", default="", help="where each process writes its log")
+    parser.add_argument("--tls-dir", default="", help="mutual TLS between all services with a self-signed CA and "
+                                                      "certificate kept in this folder (made on first use)")
 
 
 def _spec(args) -> ClusterSpec:
@@ -58,6 +62,7 @@ def _spec(args) -> ClusterSpec:
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
                        cpus=args.cpus, share_cores=args.share_cores,
+                       tls=make_dev_certs(args.tls_dir) if args.tls_dir else PLAINTEXT,
                        env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device})
 
 

@@ -1,8 +1,13 @@
-"""Running a gRPC service: health, reflection, graceful SIGTERM; one place for every service.
+"""Running a gRPC service: health, reflection, graceful SIGTERM, optional mutual TLS; one place for every
+service, and the one place that opens channels to them.
 
 Lifecycle: bind -> start -> health SERVING -> on_ready() -> wait for SIGTERM/SIGINT
 -> health NOT_SERVING -> on_shutdown() (deregister) -> drain_s still accepting calls
 -> server.stop(grace) lets in-flight calls finish -> return.
+
+TLS: every service config inherits TlsConfig. With its three files set, servers require a client
+certificate signed by the CA, and every channel (ChannelPool, `aio_channel`, `blocking_channel`)
+presents the same certificate; with none set, both sides are plaintext.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from distserve import tracing
+from distserve.config import ConfigError, setting
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +32,77 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """Mutual TLS for gRPC, inherited by every service config: tls_cert, tls_key and tls_ca all set
+    (servers require client certificates from the CA; channels present tls_cert), or none (plaintext)."""
+
+    tls_cert: str = setting("", "PEM certificate this process presents, as server and as client",
+                            env="DISTSERVE_TLS_CERT")
+    tls_key: str = setting("", "PEM private key of tls_cert", env="DISTSERVE_TLS_KEY")
+    tls_ca: str = setting("", "PEM CA that signed the peers' certificates", env="DISTSERVE_TLS_CA")
+    tls_server_name: str = setting("", "name to expect in servers' certificates instead of the dialed host "
+                                       "(e.g. one certificate for every service)", env="DISTSERVE_TLS_SERVER_NAME")
+
+    @property
+    def is_tls(self) -> bool:
+        return bool(self.tls_cert or self.tls_key or self.tls_ca)
+
+    def tls_env(self) -> dict[str, str]:
+        """The environment that gives a child process these settings (how the launcher passes them on)."""
+        return {f.metadata["env"]: getattr(self, f.name) for f in dataclasses.fields(TlsConfig) if getattr(self, f.name)}
+
+    def tls_pem(self) -> tuple[bytes, bytes, bytes]:
+        """(cert, key, ca) file contents; ConfigError naming the field that is missing or unreadable."""
+        contents = []
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if not path:
+                raise ConfigError(f"{name}: required when any of tls_cert, tls_key, tls_ca is set")
+            try:
+                contents.append(open(path, "rb").read())
+            except OSError as exc:
+                raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from exc
+        return contents[0], contents[1], contents[2]
+
+
+PLAINTEXT = TlsConfig()
+
+
+def bind(server: grpc.aio.Server, address: str, tls: TlsConfig) -> int:
+    """Adds the listening port (TLS requiring client certificates, or plaintext); returns it, 0 on failure."""
+    if not tls.is_tls:
+        return server.add_insecure_port(address)
+    cert, key, ca = tls.tls_pem()
+    credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    return server.add_secure_port(address, credentials)
+
+
+def _channel_args(tls: TlsConfig) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    if not tls.is_tls:
+        return None, CHANNEL_OPTIONS
+    cert, key, ca = tls.tls_pem()
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    name = [("grpc.ssl_target_name_override", tls.tls_server_name)] if tls.tls_server_name else []
+    return credentials, CHANNEL_OPTIONS + name
+
+
+def aio_channel(address: str, tls: TlsConfig, interceptors: list | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to a distserve service, with this process's client certificate under TLS."""
+    credentials, options = _channel_args(tls)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+def blocking_channel(address: str, tls: TlsConfig) -> grpc.Channel:
+    """A synchronous channel (launcher health checks, CLI, tests), like `aio_channel`."""
+    credentials, options = _channel_args(tls)
+    if credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 @dataclasses.dataclass
@@ -45,6 +122,7 @@ async def run_grpc_server(
     grace_s: float = 30.0,
     stop_event: asyncio.Event | None = None,
     drain_s: float = 0.0,
+    tls: TlsConfig = PLAINTEXT,
 ) -> None:
     """Serves until SIGTERM/SIGINT (or stop_event). on_ready gets the bound port.
 
@@ -62,13 +140,13 @@ async def run_grpc_server(
         names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(address)
+    port = bind(server, address, tls)
     if port == 0:
         raise OSError(f"could not bind gRPC server to {address}")
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on port %d", ",".join(names), port)
+    log.info("serving %s on port %d (%s)", ",".join(names), port, "mutual TLS" if tls.is_tls else "plaintext")
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -89,14 +167,14 @@ async def run_grpc_server(
 class ChannelPool:
     """One channel per peer address, reused across calls; close() at shutdown."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig = PLAINTEXT) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                interceptors=tracing.client_interceptors())
+            channel = aio_channel(address, self._tls, tracing.client_interceptors())
             self._channels[address] = channel
         return channel
 

@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from distserve.config import ConfigError
+from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
 from distserve.cpus import format_cpu_list, parse_cpu_list, split_cores
 
 
@@ -83,6 +84,7 @@ class ClusterSpec:
     colocated_args: list[str] = dataclasses.field(default_factory=list)
     cpus: str = ""  # cores to split among the workers, e.g. 0-3; empty: those the launcher may run on
     share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
+    tls: TlsConfig = PLAINTEXT  # mutual TLS for every gRPC service, and for the launcher's health checks
     supervise: bool = False  # True: restart any child that dies (see distserve.supervisor)
 
 
@@ -223,7 +225,7 @@ class Cluster:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         log_path = self.log_dir / f"{name}.log"
-        full_env = {**os.environ, **self.spec.env, **(env or {})}
+        full_env = {**os.environ, **self.spec.tls.tls_env(), **self.spec.env, **(env or {})}
         root = str(Path(__file__).resolve().parent.parent)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
         with open(log_path, "wb") as log:
@@ -248,7 +250,7 @@ class Cluster:
 
     def wait_healthy(self, process: ManagedProcess, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(process.address) as channel:
+        with blocking_channel(process.address, self.spec.tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 self._check_alive(process)

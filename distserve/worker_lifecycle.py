@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from distserve.grpc_server import Service, run_grpc_server
+from distserve.grpc_server import PLAINTEXT, Service, TlsConfig, run_grpc_server
 from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ async def serve_worker(
     loops: list[Callable[[], Awaitable[None]]],
     grace_s: float,
     drain_s: float,
+    tls: TlsConfig = PLAINTEXT,
 ) -> None:
     """Serves until SIGTERM; `loops` are started once the server is up and cancelled at exit."""
     tasks: list[asyncio.Task] = []
@@ -45,7 +46,8 @@ async def serve_worker(
         await registry.remove(record.role, record.worker_id)
 
     try:
-        await run_grpc_server(address, [service], on_ready, on_shutdown, grace_s=grace_s, drain_s=drain_s)
+        await run_grpc_server(address, [service], on_ready, on_shutdown, grace_s=grace_s, drain_s=drain_s,
+                              tls=tls)
     finally:
         await stop_tasks(tasks + beat)
 

@@ -79,7 +79,7 @@ async def serve(config: ColocatedConfig) -> None:
              engine.decode.scheduler.allocator.num_blocks, engine.max_batch_tokens, path)
     try:
         await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
-                           [engine.run], config.grace_s, config.drain_s)
+                           [engine.run], config.grace_s, config.drain_s, tls=config)
     finally:
         await redis.aclose()
         shutdown_tracing()

@@ -68,7 +68,7 @@ async def serve(config: DecodeConfig) -> None:
     receiver = connector.make_consumer("ucx")
     redis = aioredis.from_url(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
-    channels = ChannelPool()
+    channels = ChannelPool(config)
     servicer = DecodeServicer(config, spec, engine, receiver,
                               BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s), metrics)
     serve_metrics(config.metrics_port, config.host)
@@ -90,7 +90,7 @@ async def serve(config: DecodeConfig) -> None:
     try:
         await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
                            [engine.run, lambda: preconnect(registry, receiver, config.heartbeat_s)],
-                           config.grace_s, config.drain_s)
+                           config.grace_s, config.drain_s, tls=config)
     finally:
         await receiver.close()
         connector.shutdown("ucx")

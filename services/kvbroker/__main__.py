@@ -25,7 +25,7 @@ async def serve(config: KvBrokerConfig) -> None:
     service = Service(kvbroker_pb2_grpc.add_KvBrokerServiceServicer_to_server, servicer,
                       "distserve.v1.KvBrokerService")
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service])
+        await run_grpc_server(f"{config.host}:{config.port}", [service], tls=config)
     finally:
         await redis.aclose()
         shutdown_tracing()

@@ -70,7 +70,7 @@ async def serve(config: PrefillConfig) -> None:
     ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
     redis = aioredis.from_url(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
-    channels = ChannelPool()
+    channels = ChannelPool(config)
     servicer = PrefillServicer(config, spec, config.dtype, batcher, held, sender,
                                BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s),
                                ucx_address, metrics)
@@ -92,7 +92,7 @@ async def serve(config: PrefillConfig) -> None:
     try:
         await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
                            [batcher.run, held.run_expiry, lambda: follow_releases(redis, worker_id, held)],
-                           config.grace_s, config.drain_s)
+                           config.grace_s, config.drain_s, tls=config)
     finally:
         sender.stop()
         connector.shutdown("ucx")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from distserve.config import require, setting
+from distserve.grpc_server import TlsConfig
 from distserve.cpus import parse_cpu_list
 from distserve.engine.dtype import DTYPE_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(TlsConfig):
     """prefill worker: runs prompts and serves their KV caches over UCX."""
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")

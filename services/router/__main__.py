@@ -30,7 +30,7 @@ async def serve(config: RouterConfig) -> None:
     path = resolve_model_path(config.model)
     redis = aioredis.from_url(config.redis_url)
     picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s)
-    channels = ChannelPool()
+    channels = ChannelPool(config)
     servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels,
                               model_name=Path(path).name, metrics=RouterMetrics())
     serve_metrics(config.metrics_port, config.host)
@@ -42,7 +42,7 @@ async def serve(config: RouterConfig) -> None:
 
     service = Service(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "distserve.v1.RouterService")
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready)
+        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, tls=config)
     finally:
         for task in tasks:
             task.cancel()

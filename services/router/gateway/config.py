@@ -6,10 +6,11 @@ import dataclasses
 from pathlib import Path
 
 from distserve.config import ConfigError, require, setting
+from distserve.grpc_server import TlsConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(TlsConfig):
     """gateway: OpenAI-compatible HTTP API (SSE streaming) in front of the router."""
 
     host: str = setting("127.0.0.1", "interface to bind the HTTP server to")

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from distserve import tracing
-from distserve.grpc_server import CHANNEL_OPTIONS
+from distserve.grpc_server import aio_channel
 from distserve.registry import WorkerRegistry
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.gateway.config import GatewayConfig
@@ -66,8 +66,7 @@ class RouterClient:
 
     def __init__(self, config: GatewayConfig):
         self._config = config
-        self._channel = grpc.aio.insecure_channel(config.router_address, options=CHANNEL_OPTIONS,
-                                                  interceptors=tracing.client_interceptors())
+        self._channel = aio_channel(config.router_address, config, tracing.client_interceptors())
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._redis = aioredis.from_url(config.redis_url, socket_connect_timeout=config.health_timeout_s,

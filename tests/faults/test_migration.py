@@ -1,0 +1,158 @@
+"""Request migration: a worker killed (-9) with requests in flight costs the client nothing.
+
+The router re-prefills the prompt plus the completion so far on a live prefill worker and
+continues on a live decode worker; the client's stream carries every token once, and greedy
+and seeded-sampling output equal an unfailed run's. The fixture then checks that the
+supervisor restarted the worker and that no KV handle, held KV or block leaked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+# Long enough that every stream is still decoding when the worker dies (the tiny model decodes
+# a few hundred tokens per second on these machines); the context is 2048.
+LONG = 1200
+
+REQUESTS = [  # (prompt, sampling): greedy and seeded sampling, with and without penalties
+    ("The quick brown fox", common_pb2.SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)),
+    ("Once upon a time", common_pb2.SamplingParams(max_tokens=LONG, temperature=0.8, seed=7, ignore_eos=True)),
+    ("In a distant galaxy", common_pb2.SamplingParams(max_tokens=LONG, temperature=1.0, top_p=0.9, seed=11,
+                                                      repetition_penalty=1.2, frequency_penalty=0.5,
+                                                      ignore_eos=True)),
+    ("Serving systems", common_pb2.SamplingParams(max_tokens=LONG, temperature=0, presence_penalty=0.7,
+                                                  ignore_eos=True)),
+]
+
+
+class _Stream:
+    """One Generate call read on its own thread: the tokens, the text, and who served it."""
+
+    def __init__(self, channel: grpc.Channel, prompt: str, sampling: common_pb2.SamplingParams):
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.messages = 0
+        self.decode_worker = self.prefill_worker = ""
+        self.finish_reason = None
+        self.error: grpc.RpcError | None = None
+        self.first_token = threading.Event()
+        self.decoding = threading.Event()  # a message after the first: the decode worker streams
+        request = router_pb2.GenerateRequest(text=prompt, sampling=sampling)
+        self._call = router_pb2_grpc.RouterServiceStub(channel).Generate(request, timeout=120)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                if not self.messages:
+                    self.prefill_worker, self.decode_worker = message.prefill_worker, message.decode_worker
+                    self.first_token.set()
+                else:
+                    self.decoding.set()
+                self.messages += 1
+                self.token_ids.extend(message.token_ids)
+                self.text += message.text
+                if message.finish_reason:
+                    self.finish_reason = message.finish_reason
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.first_token.set()
+            self.decoding.set()
+
+    def result(self, timeout_s: float = 120) -> list[int]:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "stream did not end"
+        assert self.error is None, f"stream failed: {self.error.code()} {self.error.details()}"
+        assert self.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        return self.token_ids
+
+
+def _run_all(cluster, requests=REQUESTS) -> list[_Stream]:
+    channel = grpc.insecure_channel(cluster.router_address)
+    return [_Stream(channel, prompt, sampling) for prompt, sampling in requests]
+
+
+def _process_name(cluster, worker_id: str) -> str:
+    """The launcher's name (e.g. decode-1) of the worker registered as worker_id (role-host-port)."""
+    port = worker_id.rsplit("-", 1)[-1]
+    names = [name for name, process in cluster.processes.items()
+             if process.address and process.address.endswith(f":{port}")]
+    assert len(names) == 1, f"no single process serves {worker_id}: {names}"
+    return names[0]
+
+
+def _router_retries(cluster, stage: str) -> float:
+    """The router's distserve:request_retries_total for `stage`, from its /metrics endpoint."""
+    text = urllib.request.urlopen(cluster.processes["router"].metrics_url, timeout=10).read().decode()
+    prefix = f'distserve:request_retries_total{{stage="{stage}"}} '
+    return sum(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+
+
+@pytest.fixture(scope="module")
+def unfailed(faults_cluster) -> list[list[int]]:
+    """Each request's tokens from a run where nothing failed."""
+    return [stream.result() for stream in _run_all(faults_cluster)]
+
+
+def test_decode_worker_killed_mid_stream_continues_elsewhere_with_identical_output(faults_cluster, unfailed):
+    retries_before = _router_retries(faults_cluster, "decode")
+    streams = _run_all(faults_cluster)
+    for stream in streams:
+        assert stream.decoding.wait(60), "no stream reached decode"
+    victim = streams[0].decode_worker
+    faults_cluster.kill(_process_name(faults_cluster, victim))
+    on_victim = [s for s in streams if s.decode_worker == victim]
+
+    assert [s.result() for s in streams] == unfailed
+    assert all(s.messages > 2 for s in on_victim)  # the victim streamed some, another worker the rest
+    assert _router_retries(faults_cluster, "decode") >= retries_before + len(on_victim)
+
+
+def test_prefill_worker_killed_before_its_kv_is_pulled_is_prefilled_again(faults_cluster, unfailed):
+    """Decode workers are paused while the prompt is prefilled, so the prefill worker dies holding KV
+    that no decode worker has pulled yet; the pull fails and the router prefills again elsewhere."""
+    decode_pids = [faults_cluster.processes[name].popen.pid for name in faults_cluster.processes
+                   if name.startswith("decode")]
+    retries_before = _router_retries(faults_cluster, "decode")
+    for pid in decode_pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        stream = _run_all(faults_cluster, REQUESTS[1:2])[0]
+        assert stream.first_token.wait(30), "no first token"
+        faults_cluster.kill(_process_name(faults_cluster, stream.prefill_worker))
+        time.sleep(0.2)
+    finally:
+        for pid in decode_pids:
+            os.kill(pid, signal.SIGCONT)
+
+    assert stream.result() == unfailed[1]
+    assert _router_retries(faults_cluster, "decode") >= retries_before + 1
+
+
+def test_prefill_worker_killed_while_prefilling_is_retried_on_the_other(faults_cluster, unfailed):
+    """Prefill workers are paused so the prompts wait there; one is killed, the other resumed."""
+    prefill_names = [name for name in faults_cluster.processes if name.startswith("prefill")]
+    pids = {name: faults_cluster.processes[name].popen.pid for name in prefill_names}
+    retries_before = _router_retries(faults_cluster, "prefill")
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        streams = _run_all(faults_cluster)
+        time.sleep(0.5)  # the router has sent every prompt to a (paused) prefill worker
+        faults_cluster.kill(prefill_names[0])
+    finally:
+        os.kill(pids[prefill_names[1]], signal.SIGCONT)
+
+    assert [s.result() for s in streams] == unfailed
+    assert _router_retries(faults_cluster, "prefill") >= retries_before + 1
