@@ -1,23 +1,29 @@
-"""The `distserve` command: up (start everything), demo (start, answer, stop), generate (stream an answer),
-trace (a request's waterfall), bench (goodput), profile and plan (placement search)."""
+"""The `distserve` command: up (start everything, supervised), status (its children, health and load),
+demo (start, answer, stop), generate (stream an answer), trace (a request's waterfall), bench (goodput),
+profile and plan (placement search)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
+from distserve import cluster_state
 from distserve.config import ConfigError
 from distserve.engine.dtype import DTYPE_CHOICES
 from distserve.engine.model_loader import resolve_model_path
 from distserve.dev_certs import make_dev_certs
 from distserve.grpc_server import PLAINTEXT
 from distserve.launcher import Cluster, ClusterSpec
+from distserve.redact import redact_url
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -37,7 +43,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="number of colocated workers, each prefilling and decoding in one process (the "
                              "baseline disaggregation is compared with); mixed fleets are allowed")
     parser.add_argument("--router-port", type=int, default=50051)
-    parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    parser.add_argument("--redis-url", default=os.environ.get("DISTSERVE_REDIS_URL", ""),
+                        help="use this Redis instead of starting one (redis:// or rediss://); one with a password "
+                             "is better given as env DISTSERVE_REDIS_URL, which `ps` does not show")
     parser.add_argument("--gateway-port", type=int, default=8000, help="HTTP gateway port; -1: no gateway")
     parser.add_argument("--served-model-name", default="", help="model name in the OpenAI API (default: folder)")
     parser.add_argument("--api-key-file", default="",
@@ -71,7 +79,7 @@ def _print_cores(cluster: Cluster) -> None:
 
 
 def _print_addresses(cluster: Cluster) -> None:
-    print(f"redis     {cluster.redis_url}")
+    print(f"redis     {redact_url(cluster.redis_url)}")
     for name, process in cluster.processes.items():
         if process.address:
             print(f"{name:<9} grpc://{process.address}")
@@ -118,24 +126,39 @@ def _generate(args) -> int:
 
 
 def _up(args) -> int:
-    cluster = Cluster(_spec(args))
+    spec = dataclasses.replace(_spec(args), supervise=not args.no_supervise, state_file=str(args.state_file))
+    cluster = Cluster(spec)
     stop = False
 
     def on_signal(*_):
         nonlocal stop
         stop = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: the terminal closed
+        signal.signal(signum, on_signal)
     _print_cores(cluster)
     cluster.start()
     try:
         _print_addresses(cluster)
+        print(f"state     {args.state_file}  (`distserve status` reads it)")
         print("ready; Ctrl-C stops everything", flush=True)
         while not stop:
             time.sleep(0.2)
     finally:
         cluster.stop()
+    return 0
+
+
+def _status(args) -> int:
+    from distserve.status import collect, render
+
+    try:
+        state = cluster_state.read(args.state_file)
+    except FileNotFoundError:
+        print(f"error: no running `distserve up` found ({args.state_file} does not exist)", file=sys.stderr)
+        return 1
+    redis_url = os.environ.get("DISTSERVE_REDIS_URL") or state["redis_url"]
+    print(render(asyncio.run(collect(state, redis_url))))
     return 0
 
 
@@ -194,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start Redis, kvbroker, workers and router; run until Ctrl-C")
     _add_cluster_args(up)
+    up.add_argument("--no-supervise", action="store_true", help="do not restart children that die")
+    up.add_argument("--state-file", type=Path, default=cluster_state.default_path(),
+                    help="where to describe the running system for `distserve status` [env DISTSERVE_STATE_FILE]")
+    status = commands.add_parser("status", help="every service of a running `distserve up`: pid, address, "
+                                                "restarts, health and load (Redis URL: env DISTSERVE_REDIS_URL "
+                                                "when it has a password)")
+    status.add_argument("--state-file", type=Path, default=cluster_state.default_path())
     demo = commands.add_parser("demo", help="start everything, stream one answer, stop")
     _add_cluster_args(demo)
     demo.add_argument("prompt", nargs="?", default="Once upon a time")
@@ -211,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in tools:
             return tools[args.command](args)
-        return {"up": _up, "demo": _demo, "generate": _generate, "trace": _trace}[args.command](args)
+        commands = {"up": _up, "status": _status, "demo": _demo, "generate": _generate, "trace": _trace}
+        return commands[args.command](args)
     except ConfigError as exc:  # e.g. --cpus naming cores this machine lacks
         parser.error(str(exc))
 

@@ -8,11 +8,20 @@ set to match) to its own cores, split by `distserve.cpus.split_cores`; two
 workers share a core only when there are fewer cores than workers, and then a
 warning is logged. Redis, the kvbroker, the router and the gateway are not
 pinned: they inherit the launcher's affinity and do little compute.
+
+Start order: Redis, then the kvbroker (its address goes to the workers), then
+the workers and the router, then the gateway (it needs the router's address).
+A child whose automatically chosen port was taken before it could bind is
+started again on fresh ports (see distserve.ports). With `supervise`, a
+distserve.supervisor.Supervisor restarts any child that dies, on the same
+ports. With `state_file`, the launcher keeps a JSON description of its
+children there (read by `distserve status`; see distserve.cluster_state).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -27,9 +36,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from distserve import cluster_state
 from distserve.config import ConfigError
 from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
 from distserve.cpus import format_cpu_list, parse_cpu_list, split_cores
+from distserve.ports import free_port, is_bind_failure
+from distserve.supervisor import RestartPolicy, Supervisor
+
+__all__ = ["Cluster", "ClusterSpec", "ManagedProcess", "StartError", "find_redis_server", "free_port"]
+
+log = logging.getLogger(__name__)
+PORT_ATTEMPTS = 3  # starts of a child whose auto-chosen port was taken, before giving up
 
 
 def find_redis_server() -> str:
@@ -51,12 +68,6 @@ def find_redis_server() -> str:
 # logits, MLP activations) fault their pages in afresh: measured 4-5x slower KV gathers at batch 50.
 # Keeping freed memory in the heap removes that. glibc reads these only at process start.
 WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -86,6 +97,8 @@ class ClusterSpec:
     share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
     tls: TlsConfig = PLAINTEXT  # mutual TLS for every gRPC service, and for the launcher's health checks
     supervise: bool = False  # True: restart any child that dies (see distserve.supervisor)
+    restart_policy: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
+    state_file: str = ""  # where to keep the JSON description of the children ("": nowhere)
 
 
 def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
@@ -104,11 +117,22 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
 
 @dataclasses.dataclass
 class ManagedProcess:
+    """One child. A supervised restart replaces `popen` in place (same object, same argv and env)."""
+
     name: str
     popen: subprocess.Popen
     log_path: Path
+    argv: list[str]
+    env: dict[str, str]  # the child's whole environment
     address: str = ""  # gRPC host:port, for services
     metrics_url: str = ""  # Prometheus endpoint, for services
+    auto_ports: bool = False  # its ports were chosen by free_port: it may move to others if they are taken
+    port_moves: int = 0  # starts on fresh ports after its auto-chosen ones were taken
+    restarts: int = 0  # by the supervisor
+    state: str = "running"  # "running" | "restarting" | "failed" (see distserve.supervisor)
+
+    def exit_code(self) -> int | None:
+        return self.popen.poll()
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -132,46 +156,59 @@ class Cluster:
         self.redis_url = spec.redis_url
         self.gateway_url = ""
         self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
+        self.supervisor: Supervisor | None = None
 
     def _port(self, wanted: int, offset: int = 0) -> int:
         return wanted + offset if wanted else free_port()
 
     def start(self, timeout_s: float = 180.0) -> "Cluster":
+        """Starts every child and waits until each serves; then supervises them when the spec says so."""
         try:
             self._start_all(timeout_s)
         except BaseException:
             self.stop()
             raise
+        if self.spec.supervise:
+            self.supervisor = Supervisor(lambda: list(self.processes.values()), self.respawn,
+                                         self.spec.restart_policy, self.write_state).start()
+        self.write_state()
         return self
+
+    def write_state(self) -> None:
+        if self.spec.state_file:
+            cluster_state.write(Path(self.spec.state_file), self)
 
     def _start_all(self, timeout_s: float) -> None:
         spec = self.spec
         if not self.redis_url:
             port = self._port(spec.redis_port)
-            self._spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
-                                  "--save", "", "--appendonly", "no"])
+            redis = self._spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+                                          "--save", "", "--appendonly", "no"])
+            redis.auto_ports = not spec.redis_port
             self.redis_url = f"redis://127.0.0.1:{port}/0"
-            self._wait_redis(port, timeout_s)
-        metrics = spec.metrics_base_port
-        broker = f"127.0.0.1:{self._port(spec.broker_port)}"
-        self.start_service("kvbroker", "services.kvbroker", broker, [], self._port(metrics, 1))
-        for i in range(spec.num_prefill):
-            self.start_service(f"prefill-{i}", "services.prefill", f"127.0.0.1:{self._port(spec.prefill_base_port, i)}",
-                               spec.prefill_args, self._port(metrics, 10 + i))
-        for i in range(spec.num_decode):
-            self.start_service(f"decode-{i}", "services.decode", f"127.0.0.1:{self._port(spec.decode_base_port, i)}",
-                               spec.decode_args, self._port(metrics, 20 + i))
-        for i in range(spec.num_colocated):
-            self.start_service(f"colocated-{i}", "services.colocated",
-                               f"127.0.0.1:{self._port(spec.colocated_base_port, i)}", spec.colocated_args,
-                               self._port(metrics, 30 + i))
-        self.start_service("router", "services.router", f"127.0.0.1:{self._port(spec.router_port)}", [],
-                           self._port(metrics))
+            self._wait_redis(timeout_s)
+        self._start_named("kvbroker", "services.kvbroker", spec.broker_port, 0, [], 1)
+        self.wait_healthy(self.processes["kvbroker"], timeout_s)  # workers get its address: it must have bound
+        for role, count, base, args, metrics_offset in (
+                ("prefill", spec.num_prefill, spec.prefill_base_port, spec.prefill_args, 10),
+                ("decode", spec.num_decode, spec.decode_base_port, spec.decode_args, 20),
+                ("colocated", spec.num_colocated, spec.colocated_base_port, spec.colocated_args, 30)):
+            for i in range(count):
+                self._start_named(f"{role}-{i}", f"services.{role}", base, i, args, metrics_offset + i)
+        self._start_named("router", "services.router", spec.router_port, 0, [], 0)
         for process in self.processes.values():
             if process.address:
                 self.wait_healthy(process, timeout_s)
         if spec.gateway_port is not None:
             self._start_gateway(timeout_s)
+
+    def _start_named(self, name: str, module: str, base_port: int, offset: int, args: list[str],
+                     metrics_offset: int) -> None:
+        """start_service on the spec's ports (base + offset), or on free ones where the spec says 0."""
+        metrics = self.spec.metrics_base_port
+        process = self.start_service(name, module, f"127.0.0.1:{self._port(base_port, offset)}", args,
+                                     self._port(metrics, metrics_offset))
+        process.auto_ports = not base_port and not metrics
 
     def _start_gateway(self, timeout_s: float) -> None:
         port = self._port(self.spec.gateway_port)
@@ -179,10 +216,11 @@ class Cluster:
                "DISTSERVE_ROUTER_ADDRESS": self.router_address, "OTEL_SERVICE_NAME": "distserve-gateway"}
         process = self._spawn("gateway", [sys.executable, "-m", "services.router.gateway", "--port", str(port),
                                           *self.spec.gateway_args], env)
-        self.gateway_url = f"http://127.0.0.1:{port}"
+        process.auto_ports = not self.spec.gateway_port
+        self.gateway_url = f"http://127.0.0.1:{port}"  # _ensure_running may move it
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._check_alive(process)
+            self._ensure_running(process)
             try:
                 with urllib.request.urlopen(self.gateway_url + "/version", timeout=1) as reply:
                     if reply.status == 200:
@@ -224,21 +262,42 @@ class Cluster:
         return process
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
-        log_path = self.log_dir / f"{name}.log"
         full_env = {**os.environ, **self.spec.tls.tls_env(), **self.spec.env, **(env or {})}
         root = str(Path(__file__).resolve().parent.parent)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
-        process = ManagedProcess(name, popen, log_path)
+        process = ManagedProcess(name, None, self.log_dir / f"{name}.log", argv, full_env)  # type: ignore[arg-type]
+        process.popen = _popen(process, "wb")
         self.processes[name] = process
         return process
 
-    def _wait_redis(self, port: int, timeout_s: float) -> None:
+    def respawn(self, process: ManagedProcess) -> None:
+        """Starts a dead child again with its argv, environment and ports; its log is appended to."""
+        with open(process.log_path, "ab") as log_file:
+            log_file.write(f"\n--- restarted by the launcher at {time.strftime('%H:%M:%S')} ---\n".encode())
+        process.popen = _popen(process, "ab")
+
+    def _move_to_free_ports(self, process: ManagedProcess) -> None:
+        """Starts a child whose auto-chosen port was taken again, on fresh ports (--port, --metrics-port)."""
+        log.warning("%s: its port was taken before it could bind; starting it on other ports", process.name)
+        for flag in ("--port", "--metrics-port"):
+            if flag in process.argv:
+                process.argv[process.argv.index(flag) + 1] = str(free_port())
+        port = process.argv[process.argv.index("--port") + 1]
+        if process.address:
+            process.address = f"127.0.0.1:{port}"
+            process.metrics_url = f"http://127.0.0.1:{process.argv[process.argv.index('--metrics-port') + 1]}/metrics"
+        elif process.name == "redis":
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+        elif process.name == "gateway":
+            self.gateway_url = f"http://127.0.0.1:{port}"
+        process.popen = _popen(process, "wb")
+
+    def _wait_redis(self, timeout_s: float) -> None:
+        process = self.processes["redis"]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._check_alive(self.processes["redis"])
+            self._ensure_running(process)
+            port = int(process.argv[process.argv.index("--port") + 1])
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
                     sock.sendall(b"PING\r\n")
@@ -249,33 +308,45 @@ class Cluster:
         raise StartError("redis did not start")
 
     def wait_healthy(self, process: ManagedProcess, timeout_s: float) -> None:
+        """Waits until the child's gRPC health check says SERVING (it may move ports meanwhile)."""
         deadline = time.monotonic() + timeout_s
-        with blocking_channel(process.address, self.spec.tls) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                self._check_alive(process)
+        while time.monotonic() < deadline:
+            self._ensure_running(process)
+            with blocking_channel(process.address, self.spec.tls) as channel:
                 try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
                     pass
-                time.sleep(0.2)
+            time.sleep(0.2)
         raise StartError(f"{process.name} not healthy within {timeout_s}s:\n{process.log_tail()}")
 
-    @staticmethod
-    def _check_alive(process: ManagedProcess) -> None:
-        if process.popen.poll() is not None:
-            raise StartError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
+    def _ensure_running(self, process: ManagedProcess) -> None:
+        """Raises StartError if a starting child exited, unless it lost an auto-chosen port: then moves it."""
+        if process.popen.poll() is None:
+            return
+        tail = process.log_tail()
+        if process.auto_ports and is_bind_failure(tail) and process.port_moves < PORT_ATTEMPTS:
+            process.port_moves += 1
+            self._move_to_free_ports(process)
+            return
+        raise StartError(f"{process.name} exited with {process.popen.returncode}:\n{tail}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Sends sig to the child's process group and waits for it to exit (a supervisor then restarts it)."""
         process = self.processes[name]
-        if process.popen.poll() is None:
-            os.killpg(process.popen.pid, sig)
-        process.popen.wait(timeout=30)
+        popen = process.popen
+        if popen.poll() is None:
+            os.killpg(popen.pid, sig)
+        popen.wait(timeout=30)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM in order: router, then workers and broker, then Redis; SIGKILL after grace_s."""
+        """Ends supervision; then SIGTERM in order: gateway, router, workers and broker, Redis; SIGKILL
+        after grace_s. Removes the state file."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
         def phase(names: list[str]) -> None:
             group = [self.processes[n] for n in names]
             for process in group:
@@ -289,6 +360,14 @@ class Cluster:
         phase([n for n in names if n == "router"])
         phase([n for n in names if n not in ("gateway", "router", "redis")])
         phase([n for n in names if n == "redis"])
+        if self.spec.state_file:
+            Path(self.spec.state_file).unlink(missing_ok=True)
+
+
+def _popen(process: ManagedProcess, mode: str) -> subprocess.Popen:
+    with open(process.log_path, mode) as log_file:
+        return subprocess.Popen(process.argv, stdout=log_file, stderr=subprocess.STDOUT, env=process.env,
+                                start_new_session=True)
 
 
 def _wait(process: ManagedProcess, grace_s: float) -> None:

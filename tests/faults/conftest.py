@@ -21,6 +21,8 @@ from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, assert_cl
 
 NUM_PREFILL = 2
 NUM_DECODE = 2
+# KV a prefill worker holds for a request that died with Redis (or the broker) is freed after this.
+KV_LEASE_S = 8.0
 
 
 def faults_spec(model: str, log_dir: str, **overrides) -> ClusterSpec:
@@ -29,7 +31,7 @@ def faults_spec(model: str, log_dir: str, **overrides) -> ClusterSpec:
         model=model, num_prefill=NUM_PREFILL, num_decode=NUM_DECODE, gateway_port=0,
         router_port=0, broker_port=0, prefill_base_port=0, decode_base_port=0, redis_port=0, metrics_base_port=0,
         env={"DISTSERVE_DTYPE": "float32"}, log_dir=log_dir,
-        prefill_args=PREFILL_TEST_ARGS, decode_args=DECODE_TEST_ARGS, supervise=True,
+        prefill_args=[*PREFILL_TEST_ARGS, "--kv-lease-s", str(KV_LEASE_S)], decode_args=DECODE_TEST_ARGS, supervise=True,
     )
     return ClusterSpec(**{**fields, **overrides})
 
@@ -52,4 +54,4 @@ def recovered_and_clean_after(request):
         return
     cluster = request.getfixturevalue("faults_cluster")
     wait_recovered(cluster, NUM_PREFILL, NUM_DECODE)
-    assert_clean(cluster, timeout_s=10)
+    assert_clean(cluster, timeout_s=KV_LEASE_S + 5)

@@ -1,0 +1,150 @@
+"""Supervision: a thread that restarts any child of a Cluster that dies.
+
+A child's life: running -> (it exits) restarting -> (backoff elapsed) running
+again, on the same argv, environment, ports and log file; or, when it has
+restarted `max_restarts` times within `window_s`, failed: it stays down and the
+launcher logs that loudly. The wait before a restart doubles from
+`initial_backoff_s` to `max_backoff_s`, and returns to `initial_backoff_s` once
+the child has stayed up `stable_after_s`. Each exit is logged with its cause
+(exit code or signal) and the last lines of the child's log.
+
+Restarted children keep their addresses, so clients reconnect to them, and
+workers re-register in Redis with their next heartbeat (also after a Redis
+restart, which empties the registry).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from typing import Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    initial_backoff_s: float = 0.5
+    """Wait before the first restart of a child that has been stable."""
+    max_backoff_s: float = 10.0
+    """The wait doubles after each restart up to this."""
+    stable_after_s: float = 30.0
+    """A child up this long is stable again: its next restart waits initial_backoff_s."""
+    max_restarts: int = 5
+    """This many restarts within window_s is a crash loop: the child is left down (failed)."""
+    window_s: float = 60.0
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a child (distserve.launcher.ManagedProcess)."""
+
+    name: str
+    state: str  # "running" | "restarting" | "failed"
+    restarts: int
+
+    def exit_code(self) -> int | None: ...
+
+    def log_tail(self, lines: int = 40) -> str: ...
+
+
+@dataclasses.dataclass
+class _Track:
+    """Supervision bookkeeping of one child."""
+
+    backoff_s: float
+    started_at: float
+    restart_at: float | None = None  # when a pending restart is due
+    recent: collections.deque = dataclasses.field(default_factory=collections.deque)  # restart times
+
+
+def describe_exit(code: int) -> str:
+    """'exited with code 3' or 'killed by SIGKILL' (Popen's returncode is -signal for a signal)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """Polls `children()` every POLL_S and restarts the dead through `respawn(child)`; call stop() first
+    when shutting down, so nothing is restarted while being stopped. `on_change` runs after each state change."""
+
+    def __init__(self, children: Callable[[], list[Supervised]], respawn: Callable[[Supervised], None],
+                 policy: RestartPolicy = RestartPolicy(), on_change: Callable[[], None] = lambda: None):
+        self._children = children
+        self._respawn = respawn
+        self.policy = policy
+        self._on_change = on_change
+        self._tracks: dict[str, _Track] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distserve-supervisor", daemon=True)
+
+    def start(self) -> "Supervisor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops supervising; returns once no restart is in progress. Idempotent."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            for child in self._children():
+                try:
+                    self.check(child, time.monotonic())
+                except Exception:  # a failed respawn must not end supervision of the others
+                    log.exception("supervisor: restarting %s failed", child.name)
+
+    def check(self, child: Supervised, now: float) -> None:
+        """One supervision step for one child at time `now` (monotonic seconds)."""
+        policy = self.policy
+        track = self._tracks.setdefault(child.name, _Track(policy.initial_backoff_s, now))
+        code = child.exit_code()
+        if code is None:
+            if now - track.started_at >= policy.stable_after_s:
+                track.backoff_s = policy.initial_backoff_s
+            return
+        if child.state == "failed":
+            return
+        if track.restart_at is None:
+            self._on_exit(child, track, code, now)
+        elif now >= track.restart_at:
+            self._restart(child, track, now)
+
+    def _on_exit(self, child: Supervised, track: _Track, code: int, now: float) -> None:
+        while track.recent and now - track.recent[0] > self.policy.window_s:
+            track.recent.popleft()
+        if len(track.recent) >= self.policy.max_restarts:
+            child.state = "failed"
+            log.critical("%s %s and restarted %d times within %.0f s: crash loop, giving up; it stays down. "
+                         "Last log lines:\n%s", child.name, describe_exit(code), len(track.recent),
+                         self.policy.window_s, child.log_tail(20))
+        else:
+            child.state = "restarting"
+            track.restart_at = now + track.backoff_s
+            log.error("%s %s; restarting in %.1f s. Last log lines:\n%s", child.name, describe_exit(code),
+                      track.backoff_s, child.log_tail(10))
+        self._on_change()
+
+    def _restart(self, child: Supervised, track: _Track, now: float) -> None:
+        if self._stop.is_set():
+            return
+        self._respawn(child)
+        child.restarts += 1
+        child.state = "running"
+        track.recent.append(now)
+        track.restart_at = None
+        track.started_at = now
+        track.backoff_s = min(track.backoff_s * 2, self.policy.max_backoff_s)
+        log.warning("%s restarted (restart %d)", child.name, child.restarts)
+        self._on_change()
