@@ -87,20 +87,20 @@ def _parse_or_refuse(raw: bytes, parse, *args) -> None:
     request.to_router("fuzz").SerializeToString()  # what the gateway sends must be a valid message
 
 
-@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=completion_body(MODEL))
 def test_any_json_completion_body_is_parsed_or_refused_with_a_4xx(body):
     _parse_or_refuse(dumps(body), parse_completion)
 
 
-@settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(body=chat_body(MODEL))
 def test_any_json_chat_body_is_parsed_or_refused_with_a_4xx(template, body):
     _parse_or_refuse(dumps(body), parse_chat, template)
 
 
-@settings(max_examples=200, deadline=None, database=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(raw=st.binary(max_size=64) | TEXT.map(lambda t: t.encode("utf-8", "surrogatepass")))
 def test_any_bytes_are_parsed_or_refused_with_a_4xx(raw):
     _parse_or_refuse(raw, parse_completion)
