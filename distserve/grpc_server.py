@@ -28,9 +28,21 @@ from distserve.config import ConfigError, setting
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Keepalive: a peer that stops answering (killed host, paused process, dropped link) fails its calls
+# with UNAVAILABLE within about 15 s instead of holding them until their deadlines; servers accept
+# pings that often and probe idle clients the same way.
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 10_000, 5_000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
@@ -130,7 +142,7 @@ async def run_grpc_server(
     routed to it just before it left the registry still land; then it stops taking new calls and
     lets in-flight ones finish for up to grace_s.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in services:

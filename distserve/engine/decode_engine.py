@@ -60,6 +60,7 @@ class DecodeEngine:
         scheduler.allocator.on_free = self._blocks_freed.set
         self.step_stats = StepStats()
         self._step_compute_s = 0.0
+        self.num_reserving = 0  # requests waiting for free blocks
 
     async def reserve(self, num_blocks: int) -> list[int]:
         """Waits until num_blocks are free and takes them (callers bound the wait with a timeout)."""
@@ -69,16 +70,24 @@ class DecodeEngine:
             await self._blocks_freed.wait()
         return allocator.allocate(num_blocks)
 
-    async def reserve_for(self, prompt_len: int, max_tokens: int, timeout_s: float) -> list[int]:
+    async def reserve_for(self, prompt_len: int, max_tokens: int, timeout_s: float, max_waiting: int = 0) -> list[int]:
         """Blocks for a request's whole life (prompt + max_tokens, capped at the context), waiting up to
-        timeout_s for them to be free. Raises NoCapacity when this cache could never hold it, or on timeout."""
+        timeout_s for them to be free. Raises NoCapacity when this cache could never hold it, on timeout,
+        or at once when they are not free and `max_waiting` requests already wait (0: no bound)."""
+        allocator = self.scheduler.allocator
         needed = self.scheduler.blocks_for(prompt_len, max_tokens)
-        if needed > self.scheduler.allocator.num_blocks:
-            raise NoCapacity(f"request needs {needed} KV blocks; this worker has {self.scheduler.allocator.num_blocks}")
+        if needed > allocator.num_blocks:
+            raise NoCapacity(f"request needs {needed} KV blocks; this worker has {allocator.num_blocks}")
+        if max_waiting and self.num_reserving >= max_waiting and not allocator.can_allocate(needed):
+            raise NoCapacity(f"KV cache is full: {allocator.num_free} blocks free, {needed} needed, and "
+                             f"{self.num_reserving} requests already wait for blocks")
+        self.num_reserving += 1
         try:
             return await asyncio.wait_for(self.reserve(needed), timeout_s)
         except asyncio.TimeoutError:
             raise NoCapacity(f"no {needed} free KV blocks in time") from None
+        finally:
+            self.num_reserving -= 1
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

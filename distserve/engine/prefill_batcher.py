@@ -43,6 +43,15 @@ def saturation_tokens(device: str) -> int:
     return CPU_SATURATION_TOKENS_PER_THREAD * torch.get_num_threads()
 
 
+class QueueFull(RuntimeError):
+    """The prompt would take the queue past its token cap: refused at once, so load beyond what the
+    worker can serve is turned away instead of queueing without bound."""
+
+
+class QueueTimeout(RuntimeError):
+    """The prompt waited in the queue longer than its deadline without a forward starting on it."""
+
+
 @dataclasses.dataclass
 class PrefillResult:
     first_token: int
@@ -94,9 +103,13 @@ class _Slice:
 
 class PrefillBatcher:
     def __init__(self, runner: ModelRunner, eos_ids: tuple[int, ...], max_context: int, max_batch_tokens: int,
-                 wakeup: asyncio.Event | None = None):
+                 wakeup: asyncio.Event | None = None, max_queued_tokens: int = 0, queue_timeout_s: float = 0.0):
         """`wakeup` is set whenever a prompt arrives (pass a shared one when another loop, such as
-        the colocated engine's, drives this batcher instead of `run`)."""
+        the colocated engine's, drives this batcher instead of `run`). `max_queued_tokens` caps the
+        outstanding prompt tokens (QueueFull beyond it; 0: no cap); a prompt no forward has started on
+        within `queue_timeout_s` fails with QueueTimeout (0: no deadline)."""
+        self.max_queued_tokens = max_queued_tokens
+        self.queue_timeout_s = queue_timeout_s
         self._runner = runner
         self._eos_ids = eos_ids
         self._max_context = max_context
@@ -120,7 +133,11 @@ class PrefillBatcher:
         """Queues a prompt and waits for its result; cancelling drops it from the queue.
 
         With `next_token` (a migrated request: `prompt` is the prompt plus the completion so far, less
-        the last token) nothing is sampled: the result's first token is `next_token`, unfinished."""
+        the last token) nothing is sampled: the result's first token is `next_token`, unfinished.
+        Raises QueueFull at once when the queue is at its cap (an empty queue takes any prompt)."""
+        queued = self.outstanding_tokens
+        if self.max_queued_tokens and queued and queued + len(prompt) > self.max_queued_tokens:
+            raise QueueFull(f"prefill queue is full: {queued} prompt tokens outstanding, cap {self.max_queued_tokens}")
         pending = _Pending(prompt, params, asyncio.get_running_loop().create_future(), next_token=next_token)
         self._waiting.append(pending)
         self._wakeup.set()
@@ -129,6 +146,7 @@ class PrefillBatcher:
     def take_batch(self, budget: int) -> list[_Slice]:
         """Picks the next forward's slices, at most `budget` tokens (see the module docstring);
         prompts whose last chunk is taken leave the queue."""
+        self._expire_waiting()
         self._waiting = [p for p in self._waiting if not p.future.done()]
         order = sorted(self._waiting, key=lambda p: p.num_skipped < MAX_SKIPS)  # stable: starving first
         taken = {}
@@ -145,6 +163,17 @@ class PrefillBatcher:
             pending.num_skipped = 0 if id(pending) in taken else pending.num_skipped + 1
         self._waiting = [p for p in self._waiting if id(p) not in taken or not taken[id(p)].is_last]
         return batch
+
+    def _expire_waiting(self) -> None:
+        """Fails the prompts that waited past the queue deadline with no chunk computed."""
+        if not self.queue_timeout_s:
+            return
+        now = time.monotonic()
+        for pending in self._waiting:
+            waited = now - pending.enqueued_at
+            if not pending.num_computed and waited > self.queue_timeout_s and not pending.future.done():
+                pending.future.set_exception(QueueTimeout(
+                    f"waited {waited:.1f}s in the prefill queue (deadline {self.queue_timeout_s:g}s)"))
 
     async def run(self) -> None:
         """The batching loop; runs until cancelled."""

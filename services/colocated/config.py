@@ -31,6 +31,8 @@ class ColocatedConfig(TlsConfig):
     kv_cache_mb: int = setting(1024, "memory for the paged KV cache, in MiB")
     max_running: int = setting(64, "most sequences decoding at once")
     admission_timeout_s: float = setting(30.0, "how long a prefilled request may wait for free KV blocks")
+    max_waiting_for_blocks: int = setting(16, "requests that may wait for free KV blocks at once; more are refused "
+                                              "at once with RESOURCE_EXHAUSTED (0: no bound)")
     heartbeat_s: float = setting(1.0, "registry heartbeat interval")
     lease_s: float = setting(3.0, "registry lease: the worker vanishes this long after its last heartbeat")
     drain_s: float = setting(2.0, "on SIGTERM, keep accepting calls this long after deregistering")
@@ -42,6 +44,7 @@ class ColocatedConfig(TlsConfig):
         if self.cpus:
             parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
         require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
+        require(self.max_waiting_for_blocks >= 0, "max_waiting_for_blocks", "must be >= 0 (0: no bound)")
         require(self.block_size > 0, "block_size", "must be > 0")
         require(self.kv_cache_mb > 0, "kv_cache_mb", "must be > 0")
         require(self.max_running > 0, "max_running", "must be > 0")

@@ -78,7 +78,8 @@ async def serve(config: DecodeConfig) -> None:
         allocator = engine.scheduler.allocator
         load = {"num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
                 "free_blocks": allocator.num_free, "total_blocks": allocator.num_blocks,
-                "block_size": config.block_size}
+                "block_size": config.block_size, "num_reserving": engine.num_reserving,
+                "max_reserving": config.max_waiting_for_blocks}
         metrics.kv_usage.set(allocator.num_used / allocator.num_blocks)
         metrics.running.set(len(engine.scheduler.running))
         metrics.waiting.set(len(engine.scheduler.waiting))

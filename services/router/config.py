@@ -19,6 +19,10 @@ class RouterConfig(TlsConfig):
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
     request_timeout_s: float = setting(600.0, "deadline for one request's worker calls")
+    prefill_timeout_s: float = setting(120.0, "deadline for one Prefill call (queue and forward)")
+    decode_idle_timeout_s: float = setting(60.0, "a decode worker silent this long (no token, covering block wait "
+                                                 "and KV transfer before the first) is treated as stalled and the "
+                                                 "request moves to another")
     registry_refresh_s: float = setting(0.5, "how often to re-read the worker registry")
     suspect_s: float = setting(5.0, "skip a worker this long after a call to it failed to connect")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
@@ -28,5 +32,7 @@ class RouterConfig(TlsConfig):
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        require(self.prefill_timeout_s > 0, "prefill_timeout_s", "must be > 0")
+        require(self.decode_idle_timeout_s > 0, "decode_idle_timeout_s", "must be > 0")
         require(self.max_retries >= 0, "max_retries", "must be >= 0")
         require(self.registry_refresh_s > 0, "registry_refresh_s", "must be > 0")

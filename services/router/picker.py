@@ -47,9 +47,22 @@ class WorkerPicker:
         now = time.monotonic()
         return [w for w in self._workers[role] if self._suspect_until.get(w.worker_id, 0) <= now]
 
-    def pick_prefill(self) -> WorkerRecord | None:
-        return min(self.workers("prefill"), default=None,
-                   key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id])
+    def pick_prefill(self, num_tokens: int = 0) -> WorkerRecord | None:
+        """The prefill worker with the fewest outstanding prompt tokens among those with room for
+        num_tokens more; None when none has (see `prefill_has_room`)."""
+        roomy = [w for w in self.workers("prefill") if self.prefill_has_room(w, num_tokens)]
+        return min(roomy, default=None, key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id])
+
+    def prefill_has_room(self, worker: WorkerRecord, num_tokens: int) -> bool:
+        """Whether the worker's published caps admit num_tokens more prompt tokens: its queue (an
+        idle one takes any prompt) and its held KV. The worker enforces both; checking here turns
+        excess load away without a call."""
+        load = worker.load
+        queued = load.get("outstanding_tokens", 0) + self._inflight[worker.worker_id]
+        queue_cap = load.get("max_queued_tokens", 0)
+        held_cap = load.get("max_held_bytes", 0)
+        return not ((queue_cap and queued and queued + num_tokens > queue_cap)
+                    or (held_cap and load.get("held_bytes", 0) >= held_cap))
 
     def pick_colocated(self, num_tokens: int = 0) -> WorkerRecord | None:
         """The colocated worker with the fewest outstanding prompt tokens (then fewest decoding) whose
@@ -77,8 +90,9 @@ class WorkerPicker:
         """The least-loaded decode worker whose KV cache can hold num_tokens at all, and takes KV of
         `kv_format` (the prefill worker's layout and dtype) when given.
 
-        Workers with enough free blocks right now come first; a full one still qualifies
-        (the request waits there for blocks), one too small for the request never does.
+        Workers with enough free blocks right now come first; one without still qualifies (the
+        request waits there for blocks) unless as many requests wait there as it allows; one too
+        small for the request never does.
         """
         def blocks(w: WorkerRecord) -> int:
             size = int(w.load.get("block_size", 1)) or 1
@@ -89,8 +103,13 @@ class WorkerPicker:
             free = w.load.get("free_blocks", 0)
             return (free < blocks(w), running, -free)
 
+        def full(w: WorkerRecord) -> bool:  # no free blocks now, and as many requests wait as it allows
+            waiting_cap = w.load.get("max_reserving", 0)
+            return (w.load.get("free_blocks", 0) < blocks(w) and waiting_cap
+                    and w.load.get("num_reserving", 0) >= waiting_cap)
+
         fits = [w for w in self.workers("decode") if w.load.get("total_blocks", float("inf")) >= blocks(w)
-                and (not kv_format or w.kv_format == kv_format)]
+                and (not kv_format or w.kv_format == kv_format) and not full(w)]
         return min(fits, default=None, key=score)
 
     @contextlib.contextmanager

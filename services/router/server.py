@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import secrets
@@ -35,17 +36,23 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
 # Worker failures another worker can make up for. UNAVAILABLE: the worker is unreachable or died.
 # ABORTED / NOT_FOUND: the KV could not be pulled (its owner died, a transfer failed or timed out, a
 # checksum did not match) or its handle is gone; workers use these codes for nothing else.
+# DEADLINE_EXCEEDED on decode: the router's idle watchdog found the worker silent (stalled).
 _RETRYABLE = {"prefill": {grpc.StatusCode.UNAVAILABLE},
-              "decode": {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}}
+              "decode": {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND,
+                         grpc.StatusCode.DEADLINE_EXCEEDED}}
 
 
 class _StageFailed(Exception):
     """A worker call failed; `retryable` when another worker may succeed where this one did not."""
 
-    def __init__(self, error: grpc.aio.AioRpcError, worker: WorkerRecord, stage: str):
-        super().__init__(f"{stage} worker {worker.worker_id}: {error.details()}")
-        self.error, self.worker, self.stage = error, worker, stage
-        self.retryable = error.code() in _RETRYABLE[stage]
+    def __init__(self, code: grpc.StatusCode, details: str, worker: WorkerRecord, stage: str):
+        super().__init__(f"{stage} worker {worker.worker_id}: {details}")
+        self.code, self.details, self.worker, self.stage = code, details, worker, stage
+        self.retryable = code in _RETRYABLE[stage]
+
+    @classmethod
+    def of(cls, error: grpc.aio.AioRpcError, worker: WorkerRecord, stage: str) -> "_StageFailed":
+        return cls(error.code(), error.details() or "", worker, stage)
 
 
 @dataclasses.dataclass
@@ -164,24 +171,26 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 yield message
                 response = await call.read()
         except grpc.aio.AioRpcError as exc:
-            await self._abort_for(exc, worker, "colocated", context)
+            await self._abort_for(_StageFailed.of(exc, worker, "colocated"), context)
         finally:
             call.cancel()
 
     async def _route(self, req: _Request, context) -> tuple[WorkerRecord, WorkerRecord]:
         with tracing.span("route", req.request_id) as span:
             num_tokens = self._kv_tokens(req)
-            prefill_worker = self._picker.pick_prefill()
+            prefill_worker = self._picker.pick_prefill(len(req.prompt) + len(req.outputs))
             decode_worker = prefill_worker and self._picker.pick_decode(num_tokens, prefill_worker.kv_format)
-            if prefill_worker is None or not self._picker.workers("decode"):
-                missing = "prefill" if prefill_worker is None else "decode"
-                self._metrics.failures.labels(code="UNAVAILABLE").inc()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"no {missing} worker is available")
+            for role in ("prefill", "decode"):
+                if not self._picker.workers(role):
+                    await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"no {role} worker is available")
+            if prefill_worker is None:
+                await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   "every prefill worker is at capacity (prompt queue or held KV); retry later")
             if decode_worker is None:
-                self._metrics.failures.labels(code="RESOURCE_EXHAUSTED").inc()
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"prompt + max_tokens need KV for {num_tokens} tokens; no decode worker taking "
-                                    f"{prefill_worker.kv_format or 'this'} KV has that much KV cache")
+                await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"prompt + max_tokens need KV for {num_tokens} tokens; no decode worker taking "
+                                   f"{prefill_worker.kv_format or 'this'} KV has that much KV cache free or "
+                                   "room to wait for it")
             span.set_attributes({
                 "distserve.prefill.worker": prefill_worker.worker_id,
                 "distserve.prefill.reason": "least outstanding prompt tokens "
@@ -249,20 +258,20 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                context) -> tuple[WorkerRecord, WorkerRecord]:
         """New workers for a request whose `failure.stage` failed; aborts the call when the failure is
         not one another worker can make up for, or the request is out of retries."""
-        error, worker = failure.error, failure.worker
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
-            self._picker.mark_suspect(worker)
+        worker = failure.worker
         if not failure.retryable or req.num_retries >= self._config.max_retries:
-            await self._abort_for(error, worker, failure.stage, context)
+            await self._abort_for(failure, context)
+        if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._picker.mark_suspect(worker)
         req.num_retries += 1
         self._metrics.retries.labels(stage=failure.stage).inc()
         with tracing.span("retry", req.request_id) as span:
             span.set_attributes({"distserve.retry.number": req.num_retries, "distserve.retry.stage": failure.stage,
                                  "distserve.retry.failed_worker": worker.worker_id,
-                                 "distserve.retry.code": error.code().name, "distserve.retry.reason": error.details(),
+                                 "distserve.retry.code": failure.code.name, "distserve.retry.reason": failure.details,
                                  "distserve.retry.completion_tokens": len(req.outputs)})
             log.warning("retry request_id=%s %s worker %s failed (%s: %s); re-prefilling %d+%d tokens",
-                        req.request_id, failure.stage, worker.worker_id, error.code().name, error.details(),
+                        req.request_id, failure.stage, worker.worker_id, failure.code.name, failure.details,
                         len(req.prompt), max(len(req.outputs) - 1, 0))
             return await self._route(req, context)
 
@@ -273,9 +282,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                           sampling=sampling_to_proto(req.params), kv_handle_id=handle_id,
                                           output_token_ids=req.outputs, kv_secret=secret)
         try:
-            return await stub.Prefill(call, timeout=self._config.request_timeout_s)
+            return await stub.Prefill(call, timeout=self._config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _StageFailed(exc, worker, "prefill") from exc
+            raise _StageFailed.of(exc, worker, "prefill") from exc
 
     async def _decode(self, req: _Request, first, worker: WorkerRecord, secret: str):
         """Streams the decode worker's tokens; raises _StageFailed if the worker fails."""
@@ -286,7 +295,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             output_token_ids=req.outputs, kv_secret=secret,
         ), timeout=self._config.request_timeout_s)
         try:
-            async for response in call:
+            while (response := await self._next_message(call, worker)) is not grpc.aio.EOF:
                 finish = finish_from_proto(response.finish_reason)
                 if finish is not None:
                     req.timings.MergeFrom(response.timings)
@@ -299,9 +308,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     return  # a stop string ended it first: the finally cancels the worker's call
         except grpc.aio.AioRpcError as exc:
-            raise _StageFailed(exc, worker, "decode") from exc
+            raise _StageFailed.of(exc, worker, "decode") from exc
         finally:
             call.cancel()
+
+    async def _next_message(self, call, worker: WorkerRecord):
+        """The decode stream's next message (or EOF); a worker silent for decode_idle_timeout_s is
+        treated as stalled: DEADLINE_EXCEEDED, which moves the request to another worker."""
+        try:
+            return await asyncio.wait_for(call.read(), self._config.decode_idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise _StageFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"no message for {self._config.decode_idle_timeout_s:g}s", worker, "decode") from None
 
     def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None) -> router_pb2.GenerateResponse:
         now = time.monotonic()
@@ -339,11 +357,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         log.info("finish request_id=%s reason=%s completion_tokens=%d e2e_s=%.4f", req.request_id,
                  finish.value, req.num_completion, e2e_s)
 
-    async def _abort_for(self, exc: grpc.aio.AioRpcError, worker: WorkerRecord, stage: str, context) -> None:
-        code = exc.code()
+    async def _refuse(self, context, code: grpc.StatusCode, details: str) -> None:
+        """Ends the call with `code` before any worker was called."""
+        self._metrics.failures.labels(code=code.name).inc()
+        await context.abort(code, details)
+
+    async def _abort_for(self, failure: _StageFailed, context) -> None:
+        code, worker = failure.code, failure.worker
         if code == grpc.StatusCode.UNAVAILABLE:
             self._picker.mark_suspect(worker)
         if code not in _PASS_THROUGH:
             code = grpc.StatusCode.UNAVAILABLE
         self._metrics.failures.labels(code=code.name).inc()
-        await context.abort(code, f"{stage} worker {worker.worker_id}: {exc.details()}")
+        await context.abort(code, f"{failure.stage} worker {worker.worker_id}: {failure.details}")
