@@ -3,11 +3,16 @@ decodes it. Services see only these two roles; the transports behind them are ch
 
 Producer role (prefill side), `KvProducer`:
     start(port) -> port   serve pulls; buffers come from `lookup(handle_id)` (the worker's held KV)
-    on_sent(handle_id, num_bytes, seconds) is called once the consumer has the bytes
+    authorize(handle_id, secret) -> bool   whether a puller presenting `secret` may have the buffer
+        (None: every puller may; tools and benchmarks that hold no secrets)
+    on_sent(handle_id, num_bytes, seconds) is called once the consumer has the bytes, verified
     stop()
 Consumer role (decode side), `KvConsumer`:
-    await fetch(address, handle_id, out, timeout_s, request_id) -> seconds   fills `out` or raises
-        TransferError; `out` is a contiguous tensor [L, 2, T, Hkv, D] of the handle's layout
+    await fetch(address, handle_id, out, timeout_s, request_id, secret, crc32c) -> seconds   fills
+        `out` or raises TransferError; `out` is a contiguous tensor [L, 2, T, Hkv, D] of the handle's
+        layout. `secret` is presented to the producer (PullRefused if it does not match); with
+        `crc32c` the bytes are verified and pulled once more on a mismatch (ChecksumMismatch if the
+        second pull is wrong too). The whole fetch, waits included, ends within timeout_s.
     await connect(address)   optional warm-up of a peer; peers: the connected addresses
     await close()
 
@@ -32,12 +37,23 @@ from typing import Callable, Protocol
 
 import torch
 
+from distserve.transfer.checksum import kv_crc32c
+
 Lookup = Callable[[str], "torch.Tensor | None"]
+Authorize = Callable[[str, str], bool]
 OnSent = Callable[[str, int, float], None]
 
 
 class TransferError(RuntimeError):
     """The KV could not be fetched; the request cannot continue on this path."""
+
+
+class PullRefused(TransferError):
+    """The producer holds the handle but the puller did not present its secret."""
+
+
+class ChecksumMismatch(TransferError):
+    """The pulled bytes did not match the handle's CRC32C, twice."""
 
 
 @dataclasses.dataclass
@@ -58,7 +74,7 @@ class KvConsumer(Protocol):
     counters: TransferCounters
 
     async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
-                    request_id: str = "") -> float: ...
+                    request_id: str = "", secret: str = "", crc32c: int | None = None) -> float: ...
 
     async def connect(self, address: str) -> None: ...
 
@@ -75,8 +91,8 @@ _local_ports = itertools.count(1)
 class LocalProducer:
     """Serves buffers to LocalConsumers in the same process, addressed as local:<port>."""
 
-    def __init__(self, lookup: Lookup, on_sent: OnSent):
-        self._lookup, self._on_sent = lookup, on_sent
+    def __init__(self, lookup: Lookup, on_sent: OnSent, authorize: Authorize | None = None):
+        self._lookup, self._on_sent, self._authorize = lookup, on_sent, authorize
         self.counters = TransferCounters()
         self.port = 0
 
@@ -88,15 +104,19 @@ class LocalProducer:
     def stop(self) -> None:
         _local_producers.pop(self.port, None)
 
-    def send(self, handle_id: str, out: torch.Tensor) -> float:
+    def send(self, handle_id: str, out: torch.Tensor, secret: str, crc32c: int | None) -> float:
         started = time.perf_counter()
         kv = self._lookup(handle_id)
         if kv is None:
             raise TransferError(f"{handle_id}: not held by local:{self.port}")
+        if self._authorize is not None and not self._authorize(handle_id, secret):
+            raise PullRefused(f"{handle_id}: pull refused by local:{self.port} (wrong kv_secret)")
         if kv.shape != out.shape or kv.dtype != out.dtype:
             raise TransferError(f"{handle_id}: held {tuple(kv.shape)} {kv.dtype}, expected {tuple(out.shape)} "
                                 f"{out.dtype}")
         out.copy_(kv)
+        if crc32c is not None and kv_crc32c(out) != crc32c:
+            raise ChecksumMismatch(f"{handle_id}: KV checksum mismatch (expected crc32c {crc32c:#010x})")
         seconds = time.perf_counter() - started
         num_bytes = out.numel() * out.element_size()
         self.counters.num_transfers += 1
@@ -112,11 +132,11 @@ class LocalConsumer:
         self.counters = TransferCounters()
 
     async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
-                    request_id: str = "") -> float:
+                    request_id: str = "", secret: str = "", crc32c: int | None = None) -> float:
         producer = _local_producers.get(int(address.rpartition(":")[2]))
         if producer is None:
             raise TransferError(f"no local producer at {address}")
-        seconds = producer.send(handle_id, out)
+        seconds = producer.send(handle_id, out, secret, crc32c)
         self.counters.num_transfers += 1
         self.counters.num_bytes += out.numel() * out.element_size()
         return seconds
@@ -135,14 +155,14 @@ class LocalConsumer:
 CONNECTORS = ("ucx", "local")
 
 
-def make_producer(kind: str, lookup: Lookup, on_sent: OnSent) -> KvProducer:
+def make_producer(kind: str, lookup: Lookup, on_sent: OnSent, authorize: Authorize | None = None) -> KvProducer:
     """The producer role of connector `kind` (one of CONNECTORS)."""
     if kind == "local":
-        return LocalProducer(lookup, on_sent)
+        return LocalProducer(lookup, on_sent, authorize)
     if kind == "ucx":
         from distserve.transfer.ucx_transfer import KvSender
 
-        return KvSender(lookup, on_sent)
+        return KvSender(lookup, on_sent, authorize)
     raise ValueError(f"kv_connector: {kind!r} is not one of {CONNECTORS}")
 
 

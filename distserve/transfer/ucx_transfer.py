@@ -1,19 +1,29 @@
 """KV transfer over UCX (ucxx): the prefill side serves, the decode side pulls.
 
-Protocol on one endpoint, strictly request/response (the receiver serialises
-its fetches per peer with a lock, so messages never interleave):
-    decode -> prefill  header: 512 bytes, JSON {handle_id, request_id, traceparent}, NUL padded
-    prefill -> decode  size:   int64, the buffer's byte count, or -1 if unknown
+Protocol on one endpoint, strictly request/response (one pull at a time per endpoint):
+    decode -> prefill  header: 512 bytes, JSON {handle_id, request_id, secret, traceparent}, NUL padded
+    prefill -> decode  size:   int64, the buffer's byte count; NOT_HELD or REFUSED (wrong secret) end it
     prefill -> decode  data:   the KV buffer itself (zero-copy from the tensor)
     prefill -> decode  done:   int64, once the sender's send completed (its trace span has ended)
-    decode -> prefill  ack:    int64, 1 once the bytes are in place
-The sender frees the buffer on the ack. Endpoints are kept per peer and
-re-created after an error.
+    decode -> prefill  ack:    int64, ACK_RECEIVED once the bytes are in place and passed the checksum,
+                               ACK_CORRUPT when they did not (the sender keeps the buffer for a re-pull)
+The sender frees the buffer on ACK_RECEIVED.
+
+The receiver keeps up to MAX_ENDPOINTS_PER_PEER endpoints per peer; a pull takes an idle one or opens
+a new one, so pulls of different handles from one peer run side by side and a stalled pull holds only
+its own endpoint. Every wait of a pull (for an endpoint slot, to connect, for bytes) lies inside its
+timeout; an endpoint that saw any failure is aborted at once (cancelling receives still posted into the
+caller's buffer) and never reused, and the next pull opens a new one.
+
+Binding: ucxx 0.52's listener takes a port only and binds every interface (0.0.0.0; ucxx's C++
+Listener passes a NULL host to getaddrinfo). So pulls are authorized by the per-request secret, not by
+address; restrict the port with a firewall where other hosts must not reach it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -24,19 +34,26 @@ import numpy as np
 import torch
 
 from distserve import tracing
-from distserve.transfer.connector import TransferCounters, TransferError
+from distserve.transfer.checksum import byte_view, kv_crc32c
+from distserve.transfer.connector import (Authorize, ChecksumMismatch, PullRefused, TransferCounters,
+                                          TransferError)
 
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 512
-ACK_TIMEOUT_S = 60.0
+NOT_HELD, REFUSED = -1, -2
+ACK_CORRUPT, ACK_RECEIVED = 0, 1
+SERVE_TIMEOUT_S = 60.0  # the sender gives up on a puller that stops reading or acknowledging
+CONNECT_TIMEOUT_S = 5.0  # how long a pre-connect waits (the connect itself goes on: KvReceiver._connecting)
+MAX_ENDPOINTS_PER_PEER = 8
 
 
-def _encode_header(handle_id: str, request_id: str) -> np.ndarray:
+def _encode_header(handle_id: str, request_id: str, secret: str) -> np.ndarray:
     trace_context = {k: v for k, v in tracing.inject_headers({}).items() if k == "traceparent"}  # fixed size
-    raw = json.dumps({"handle_id": handle_id, "request_id": request_id, **trace_context}).encode()
+    raw = json.dumps({"handle_id": handle_id, "request_id": request_id, "secret": secret,
+                      **trace_context}).encode()
     if len(raw) > HEADER_BYTES:
-        raise ValueError(f"transfer header of {len(raw)} bytes exceeds {HEADER_BYTES}")
+        raise TransferError(f"transfer header of {len(raw)} bytes exceeds {HEADER_BYTES}")
     header = np.zeros(HEADER_BYTES, dtype=np.uint8)
     header[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     return header
@@ -44,6 +61,10 @@ def _encode_header(handle_id: str, request_id: str) -> np.ndarray:
 
 def _decode_header(header: np.ndarray) -> dict[str, str]:
     return json.loads(bytes(header).rstrip(b"\0").decode())
+
+
+def _int64(value: int) -> np.ndarray:
+    return np.array([value], dtype=np.int64)
 
 
 def _transfer_attributes(num_bytes: int, seconds: float) -> dict:
@@ -87,26 +108,21 @@ def stop_ucx() -> None:
         _ucxx().stop_notifier_thread()
 
 
-def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """A uint8 numpy view of a contiguous CPU tensor, for any dtype (bf16 included)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
 class KvSender:
     """Serves KV buffers held by this worker to decode workers that ask by handle id."""
 
-    def __init__(
-        self,
-        lookup: Callable[[str], torch.Tensor | None],
-        on_sent: Callable[[str, int, float], None],
-    ) -> None:
-        """lookup(handle_id) gives the buffer to send; on_sent(handle_id, bytes, seconds) follows the ack."""
+    def __init__(self, lookup: Callable[[str], torch.Tensor | None], on_sent: Callable[[str, int, float], None],
+                 authorize: Authorize | None = None) -> None:
+        """lookup(handle_id) gives the buffer to send; authorize(handle_id, secret) admits a puller (None:
+        all); on_sent(handle_id, bytes, seconds) follows the puller's ACK_RECEIVED."""
         self._lookup = lookup
         self._on_sent = on_sent
+        self._authorize = authorize
         self._listener = None
         self.counters = TransferCounters()
 
     def start(self, port: int = 0) -> int:
+        """Listens on `port` (0: any free one) on every interface (ucxx cannot bind one; module docstring)."""
         init_ucx()
         self._listener = _ucxx().create_listener(self._serve_endpoint, port=port)
         return self._listener.port
@@ -121,126 +137,189 @@ class KvSender:
         try:
             while True:
                 await ep.recv(header)
-                await self._serve_one(ep, _decode_header(header))
+                # A puller that stops reading or acknowledging must not hold this endpoint (or the buffer) forever.
+                await asyncio.wait_for(self._serve_one(ep, _decode_header(header)), SERVE_TIMEOUT_S)
         except asyncio.CancelledError:  # listener shutting down
             pass
         except Exception as exc:  # a closed peer ends its loop; nothing else depends on it
             if not ep.closed:
-                log.warning("kv sender endpoint error: %s", exc)
+                log.warning("kv sender endpoint error: %r", exc)
         finally:
-            if not ep.closed:
-                await ep.close()
+            ep.abort()  # cancels any send still posted from a buffer this coroutine no longer holds
 
     async def _serve_one(self, ep, fields: dict[str, str]) -> None:
         handle_id = fields["handle_id"]
         tensor = self._lookup(handle_id)
         if tensor is None:
-            await ep.send(np.array([-1], dtype=np.int64))
+            await ep.send(_int64(NOT_HELD))
             return
-        data = _as_bytes(tensor)
+        if self._authorize is not None and not self._authorize(handle_id, str(fields.get("secret", ""))):
+            log.warning("kv handle=%s pull refused: the puller did not present its kv_secret", handle_id)
+            await ep.send(_int64(REFUSED))
+            return
+        data = byte_view(tensor)
         # The span is a child of the receiver's; "done" follows its end, and the receiver waits
         # for "done", so the span always ends within its parent.
-        with tracing.remote_context(fields), tracing.span("kv_transfer.send", fields["request_id"],
+        with tracing.remote_context(fields), tracing.span("kv_transfer.send", fields.get("request_id", ""),
                                                           **{"distserve.kv.handle_id": handle_id}) as span:
             started = time.perf_counter()
-            await ep.send(np.array([data.nbytes], dtype=np.int64))
+            await ep.send(_int64(data.nbytes))
             await ep.send(data)
             seconds = time.perf_counter() - started
             span.set_attributes(_transfer_attributes(data.nbytes, seconds))
-        await ep.send(np.array([1], dtype=np.int64))
+        await ep.send(_int64(1))
         ack = np.empty(1, dtype=np.int64)
-        await asyncio.wait_for(ep.recv(ack), ACK_TIMEOUT_S)  # a stuck peer must not hold this endpoint forever
+        await ep.recv(ack)
+        if int(ack[0]) != ACK_RECEIVED:
+            log.warning("kv handle=%s failed the puller's checksum; kept for a second pull", handle_id)
+            return
         self.counters.num_transfers += 1
         self.counters.num_bytes += data.nbytes
         self._on_sent(handle_id, data.nbytes, seconds)
+
+
+@dataclasses.dataclass
+class _Peer:
+    """The receiver's endpoints to one prefill worker: idle ones, the one being opened, and slots
+    bounding how many pulls use it at once."""
+
+    idle: list = dataclasses.field(default_factory=list)
+    num_busy: int = 0
+    connecting: asyncio.Future | None = None
+    slots: asyncio.Semaphore = dataclasses.field(default_factory=lambda: asyncio.Semaphore(MAX_ENDPOINTS_PER_PEER))
 
 
 class KvReceiver:
     """Pulls KV buffers from prefill workers into caller-provided tensors."""
 
     def __init__(self) -> None:
-        self._endpoints: dict[str, object] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._closing: set[asyncio.Future] = set()
+        self._peers: dict[str, _Peer] = {}
         self.counters = TransferCounters()
 
     async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
-                    request_id: str = "") -> float:
-        """Fills `out` (contiguous, CPU) with the handle's bytes; returns seconds spent."""
+                    request_id: str = "", secret: str = "", crc32c: int | None = None) -> float:
+        """Fills `out` (contiguous, CPU) with the handle's bytes within timeout_s; returns seconds spent.
+        Raises TransferError (PullRefused, ChecksumMismatch) on any failure, a timeout included."""
         with tracing.span("kv_transfer.recv", request_id, **{"distserve.kv.handle_id": handle_id,
                                                               "distserve.kv.peer": address}) as span:
-            seconds = await self._fetch(address, handle_id, out, timeout_s, request_id)
+            header = _encode_header(handle_id, request_id, secret)  # inside the span: carries its traceparent
+            start = time.perf_counter()
+            try:
+                await asyncio.wait_for(self._pull_verified(address, handle_id, header, out, crc32c), timeout_s)
+            except TransferError:
+                raise
+            except TimeoutError as exc:
+                raise TransferError(f"fetch of {handle_id} from {address} timed out after {timeout_s:g} s") from exc
+            except Exception as exc:
+                raise TransferError(f"fetch of {handle_id} from {address} failed: {exc!r}") from exc
+            seconds = time.perf_counter() - start
             span.set_attributes(_transfer_attributes(out.numel() * out.element_size(), seconds))
             return seconds
 
-    async def _fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
-                     request_id: str) -> float:
-        lock = self._locks.setdefault(address, asyncio.Lock())
-        async with lock:
-            start = time.perf_counter()
-            try:
-                await asyncio.wait_for(self._fetch_locked(address, handle_id, out, request_id), timeout_s)
-            except BaseException as exc:
-                # Any failure, cancellation included, can leave the endpoint mid-protocol: the next
-                # fetch would read this one's leftover messages. Nobody may reuse it.
-                self._discard(address)
-                if isinstance(exc, TransferError) or not isinstance(exc, Exception):
-                    raise
-                raise TransferError(f"fetch of {handle_id} from {address} failed: {exc!r}") from exc
-            return time.perf_counter() - start
-
     async def connect(self, address: str) -> None:
-        """Opens the endpoint to a peer ahead of its first transfer (set-up costs ~0.3 s)."""
-        async with self._locks.setdefault(address, asyncio.Lock()):
-            try:
-                await self._endpoint(address)
-            except Exception as exc:  # the peer may be gone; the next fetch retries
-                log.debug("pre-connect to %s failed: %s", address, exc)
+        """Opens an endpoint to a peer ahead of its first transfer (set-up costs ~0.3 s), if none is open."""
+        peer = self._peers.setdefault(address, _Peer())
+        if peer.idle or peer.num_busy:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._connecting(address, peer)), CONNECT_TIMEOUT_S)
+        except Exception as exc:  # the peer may be gone or stalled; the next fetch retries
+            log.debug("pre-connect to %s failed: %r", address, exc)
 
     @property
     def peers(self) -> set[str]:
-        return set(self._endpoints)
+        """Addresses with an open endpoint."""
+        return {address for address, peer in self._peers.items() if peer.idle or peer.num_busy}
 
-    async def _fetch_locked(self, address: str, handle_id: str, out: torch.Tensor, request_id: str) -> None:
-        ep = await self._endpoint(address)
-        await ep.send(_encode_header(handle_id, request_id))
-        size = np.empty(1, dtype=np.int64)
-        await ep.recv(size)
-        target = _as_bytes(out)
-        if int(size[0]) != target.nbytes:
-            raise TransferError(f"{handle_id}: sender has {int(size[0])} bytes, expected {target.nbytes}")
-        await ep.recv(target)
-        done = np.empty(1, dtype=np.int64)
-        await ep.recv(done)
-        await ep.send(np.array([1], dtype=np.int64))
-        self.counters.num_transfers += 1
-        self.counters.num_bytes += target.nbytes
+    async def _pull_verified(self, address: str, handle_id: str, header: np.ndarray, out: torch.Tensor,
+                             crc32c: int | None) -> None:
+        for attempt in (1, 2):
+            if await self._pull(address, handle_id, header, out, crc32c):
+                self.counters.num_transfers += 1
+                self.counters.num_bytes += out.numel() * out.element_size()
+                return
+            log.warning("kv handle=%s from %s failed its checksum (pull %d of 2)", handle_id, address, attempt)
+        raise ChecksumMismatch(f"fetch of {handle_id} from {address}: KV checksum mismatch on two pulls "
+                               f"(expected crc32c {crc32c:#010x})")
 
-    async def _endpoint(self, address: str):
-        ep = self._endpoints.get(address)
-        if ep is None or ep.closed:
-            host, _, port = address.rpartition(":")
-            ep = await _ucxx().create_endpoint(host, int(port))
-            self._endpoints[address] = ep
-        return ep
+    async def _pull(self, address: str, handle_id: str, header: np.ndarray, out: torch.Tensor,
+                    crc32c: int | None) -> bool:
+        """One pull on an endpoint no other pull is using; True when the bytes passed the checksum."""
+        peer = self._peers.setdefault(address, _Peer())
+        async with peer.slots:
+            ep = await self._idle_or_new_endpoint(address, peer)
+            peer.num_busy += 1
+            try:
+                verified = await _exchange(ep, handle_id, header, out, crc32c)
+            except BaseException:
+                # Any failure, cancellation included, can leave the endpoint mid-protocol, with a receive
+                # into `out` still posted: abort it now (cancelling that receive) and never reuse it.
+                ep.abort()
+                raise
+            finally:
+                peer.num_busy -= 1
+            peer.idle.append(ep)
+            return verified
 
-    def _discard(self, address: str) -> None:
-        """Forgets the endpoint at once (synchronously, so no fetch can pick it up) and closes it later."""
-        ep = self._endpoints.pop(address, None)
-        if ep is not None and not ep.closed:
-            task = asyncio.ensure_future(_close_endpoint(ep, address))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+    async def _idle_or_new_endpoint(self, address: str, peer: _Peer):
+        while True:
+            ep = _take_idle(peer)
+            if ep is not None:
+                return ep
+            await asyncio.shield(self._connecting(address, peer))
+
+    def _connecting(self, address: str, peer: _Peer) -> asyncio.Future:
+        """The peer's one endpoint being opened, which lands in its idle list. Opening is never cancelled
+        (callers wait through asyncio.shield) and has no timeout of its own: ucxx leaves the peer-info
+        receive of an abandoned connect posted, and a stalled peer's late answer would land in freed
+        memory. A connect to a stalled peer stays pending, one per peer, while pulls waiting on it time out."""
+        if peer.connecting is None:
+            peer.connecting = asyncio.ensure_future(_open_into(address, peer))
+            peer.connecting.add_done_callback(_log_connect_failure)
+        return peer.connecting
 
     async def close(self) -> None:
-        for address in list(self._endpoints):
-            self._discard(address)
-        if self._closing:
-            await asyncio.wait(list(self._closing))
+        """Aborts the idle endpoints (in-flight pulls abort their own as they end)."""
+        for peer in self._peers.values():
+            while peer.idle:
+                peer.idle.pop().abort()
 
 
-async def _close_endpoint(ep, address: str) -> None:
+def _take_idle(peer: _Peer):
+    while peer.idle:
+        ep = peer.idle.pop()
+        if not ep.closed:
+            return ep
+    return None
+
+
+async def _open_into(address: str, peer: _Peer) -> None:
+    host, _, port = address.rpartition(":")
     try:
-        await ep.close()
-    except Exception as exc:  # already broken; closing is best effort
-        log.debug("closing endpoint %s: %s", address, exc)
+        peer.idle.append(await _ucxx().create_endpoint(host, int(port), connect_timeout=None))
+    finally:
+        peer.connecting = None
+
+
+def _log_connect_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("connect failed: %r", future.exception())
+
+
+async def _exchange(ep, handle_id: str, header: np.ndarray, out: torch.Tensor, crc32c: int | None) -> bool:
+    """The receiver's side of one pull (module docstring); True when the bytes passed the checksum."""
+    await ep.send(header)
+    size = np.empty(1, dtype=np.int64)
+    await ep.recv(size)
+    target = byte_view(out)
+    if int(size[0]) == NOT_HELD:
+        raise TransferError(f"{handle_id}: not held by the sender (released or its lease expired)")
+    if int(size[0]) == REFUSED:
+        raise PullRefused(f"{handle_id}: pull refused by the sender: wrong or missing kv_secret")
+    if int(size[0]) != target.nbytes:
+        raise TransferError(f"{handle_id}: sender has {int(size[0])} bytes, expected {target.nbytes}")
+    await ep.recv(target)
+    await ep.recv(np.empty(1, dtype=np.int64))  # done
+    verified = crc32c is None or kv_crc32c(out) == crc32c
+    await ep.send(_int64(ACK_RECEIVED if verified else ACK_CORRUPT))
+    return verified

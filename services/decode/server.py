@@ -88,7 +88,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                                                              context)
                 handle = await self._claim(request, context)
                 owns_handle = True
-                transfer_s = await self._load_kv(handle, seq, context)
+                transfer_s = await self._load_kv(handle, seq, request.kv_secret, context)
             release = self._broker.release_soon(request.kv_handle_id, "received", rid)
             owns_handle = False
             seq.loaded_at = time.monotonic()
@@ -130,13 +130,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
-    async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, context) -> float:
+    async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, secret: str, context) -> float:
+        """Pulls the handle's KV, presenting the request's secret, verifies its checksum (a mismatch is
+        pulled once more, then ABORTED "checksum") and writes it into the sequence's blocks."""
         layout = handle.layout
         staging = torch.empty((layout.num_layers, 2, layout.num_tokens, layout.num_kv_heads, layout.head_dim),
                               dtype=DTYPES[layout.dtype])
         try:
+            # kv_crc32c 0: the producer gave no checksum (a CRC32C of 0 itself goes unverified, 1 in 2^32)
             transfer_s = await self._receiver.fetch(handle.owner_ucx_address, handle.handle_id, staging,
-                                                    self._config.transfer_timeout_s, seq.request_id)
+                                                    self._config.transfer_timeout_s, seq.request_id, secret,
+                                                    handle.kv_crc32c or None)
         except TransferError as exc:
             # ABORTED, not UNAVAILABLE: the handle was claimed here, so the router must not retry it elsewhere
             await context.abort(grpc.StatusCode.ABORTED, str(exc))

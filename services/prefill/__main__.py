@@ -58,7 +58,7 @@ async def serve(config: PrefillConfig) -> None:
     runner.warm_up()
     batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context,
                              config.max_batch_tokens or saturation_tokens(config.device))
-    held = HeldKv()
+    held = HeldKv(config.resolved_max_held_kv_bytes)
     metrics = PrefillMetrics()
 
     def on_sent(handle_id: str, num_bytes: int, seconds: float) -> None:
@@ -66,7 +66,7 @@ async def serve(config: PrefillConfig) -> None:
         metrics.kv_transfer_bytes.inc(num_bytes)
         metrics.kv_transfer_time.observe(seconds)
 
-    sender = connector.make_producer("ucx", held.lookup, on_sent)
+    sender = connector.make_producer("ucx", held.lookup, on_sent, held.admits)
     ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
     redis = aioredis.from_url(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
@@ -79,7 +79,7 @@ async def serve(config: PrefillConfig) -> None:
 
     def record() -> WorkerRecord:
         load = {"outstanding_tokens": batcher.outstanding_tokens, "num_waiting": batcher.num_waiting,
-                "held_bytes": held.num_bytes}
+                "held_bytes": held.num_bytes, "max_held_bytes": held.max_bytes}
         metrics.waiting.set(batcher.num_waiting)
         metrics.running.set(batcher.num_running)
         metrics.held_bytes.set(held.num_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from distserve.config import require, setting
 from distserve.grpc_server import TlsConfig
@@ -30,6 +31,8 @@ class PrefillConfig(TlsConfig):
     max_batch_tokens: int = setting(0, "saturation length: prompt tokens per packed forward; longer prompts "
                                        "are chunked (0: auto, the engine's measured default for the device)")
     kv_lease_s: float = setting(30.0, "free a held KV this long after registering if no one claims it")
+    max_held_kv_bytes: int = setting(0, "most KV bytes held for decode workers at once; a Prefill that would "
+                                        "exceed it fails RESOURCE_EXHAUSTED (0: a quarter of physical memory)")
     heartbeat_s: float = setting(1.0, "registry heartbeat interval")
     lease_s: float = setting(3.0, "registry lease: the worker vanishes this long after its last heartbeat")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
@@ -43,8 +46,13 @@ class PrefillConfig(TlsConfig):
             parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
         require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
         require(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
+        require(self.max_held_kv_bytes >= 0, "max_held_kv_bytes", "must be >= 0 (0: a quarter of physical memory)")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")
 
     @property
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"prefill-{self.advertise_host}-{self.port}"
+
+    @property
+    def resolved_max_held_kv_bytes(self) -> int:
+        return self.max_held_kv_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4

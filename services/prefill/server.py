@@ -13,7 +13,7 @@ from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, sampling_from_proto
 from distserve.engine.sampling import SamplingParams
-from distserve.engine.model_spec import ModelSpec, prompt_error
+from distserve.engine.model_spec import DTYPES, ModelSpec, prompt_error
 from distserve.metrics import PrefillMetrics
 from distserve.transfer.connector import KvProducer
 from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
@@ -47,6 +47,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 "gen_ai.operation.name": "text_completion", "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
                 "distserve.worker": self._config.resolved_worker_id}):
             prompt, params, next_token = await self._validated(request, context)
+            await self._refuse_if_held_kv_full(len(prompt), context)
             result = await self._batcher.submit(prompt, params, next_token)
             self._record(rid, len(prompt), result)
             response = prefill_pb2.PrefillResponse(
@@ -56,7 +57,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 return response
             response.kv_handle_id = request.kv_handle_id or uuid.uuid4().hex
             response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))
-            await self._register(rid, response, result.kv, context)
+            await self._register(request, response, result.kv, context)
             return response
 
     async def _validated(self, request, context) -> tuple[list[int], SamplingParams, int | None]:
@@ -97,13 +98,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_bytes=kv.numel() * kv.element_size(),
         )
 
-    async def _register(self, request_id: str, response, kv, context) -> None:
-        """Holds the KV, then records the handle; undoes both if registration fails."""
-        handle_id = response.kv_handle_id
-        self._held.add(handle_id, kv, self._config.kv_lease_s)
+    async def _refuse_if_held_kv_full(self, num_tokens: int, context) -> None:
+        """Fails fast, before the forward, when this prompt's KV would not fit under the held-KV cap."""
+        num_bytes = num_tokens * self._spec.kv_bytes_per_token(DTYPES[self._dtype_name])
+        if not self._held.can_hold(num_bytes):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._held_kv_full_message(num_bytes))
+
+    def _held_kv_full_message(self, num_bytes: int) -> str:
+        return (f"held KV is full: {self._held.num_bytes} bytes held, cap {self._held.max_bytes}; "
+                f"this prompt needs {num_bytes}")
+
+    async def _register(self, request, response, kv, context) -> None:
+        """Holds the KV with the request's secret and checksum, then records the handle (the checksum
+        but never the secret goes to the broker); undoes both if registration fails."""
+        handle_id, request_id = response.kv_handle_id, request.request_id
+        crc32c = await self._hold(handle_id, kv, request.kv_secret, context)
         handle = kvbroker_pb2.KvHandle(
             handle_id=handle_id, request_id=request_id, owner_worker_id=self._config.resolved_worker_id,
             owner_ucx_address=self._ucx_address, layout=response.kv_layout,
+            kv_crc32c=crc32c,
         )
         try:
             await self._broker.register(handle, self._config.kv_lease_s)
@@ -113,9 +126,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         except grpc.aio.AioRpcError as exc:
             self._held.free(handle_id)
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # another request's handle: never release it
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"kv_handle_id {handle_id}: {exc.details()}")
             # Not UNAVAILABLE: to the router that means "this prefill worker is unreachable", and a
             # healthy worker must not be skipped because the broker is down.
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kvbroker register failed: {exc.details()}")
+
+    async def _hold(self, handle_id: str, kv, secret: str, context) -> int:
+        """Holds the KV for pullers presenting `secret`; returns its CRC32C. Aborts if the id is held
+        here already or the KV does not fit under the cap."""
+        if self._held.is_holding(handle_id):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"kv_handle_id {handle_id}: already held here")
+        num_bytes = kv.numel() * kv.element_size()
+        if not self._held.can_hold(num_bytes):  # others filled the cap while this prompt ran
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._held_kv_full_message(num_bytes))
+        return self._held.add(handle_id, kv, self._config.kv_lease_s, secret)
 
     async def GetPrefillStats(self, request, context):
         return prefill_pb2.GetPrefillStatsResponse(

@@ -1,4 +1,6 @@
-"""The UCX transfer layer over real UCX: a cancelled pull never corrupts the next one on that peer."""
+"""The UCX transfer layer over real UCX, both ends in this process: a cancelled pull never corrupts the
+next one on that peer; a puller without the handle's secret is refused; damaged bytes are pulled again
+once, then fail with a checksum error."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ import asyncio
 import pytest
 import torch
 
+from distserve.transfer.checksum import kv_crc32c
+from distserve.transfer.connector import ChecksumMismatch, PullRefused
 from distserve.transfer.ucx_transfer import KvReceiver, KvSender, init_ucx
+from services.prefill.held_kv import HeldKv
 
 SHAPE = (2, 2, 2, 300, 64)  # [L, 2, H, T, D], ~600 KB
 
@@ -54,6 +59,102 @@ async def test_unknown_handle_is_a_transfer_error_and_the_endpoint_recovers():
         await receiver.fetch(address, "B", out, 10)
         assert out.unique().tolist() == [3.0]
         assert receiver.counters.num_transfers == 1 and receiver.counters.num_bytes == out.numel() * 4
+    finally:
+        await receiver.close()
+        sender.stop()
+
+
+async def eventually(condition, timeout_s: float = 2.0) -> bool:
+    """Whether condition() holds within timeout_s: a sender acts on the ack a moment after a pull returns."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return bool(condition())
+
+
+def held_kv_sender(held: HeldKv) -> KvSender:
+    """A sender serving `held` as a prefill worker does: the secret checked, the buffer freed once sent."""
+    return KvSender(lookup=held.lookup, on_sent=lambda handle_id, num_bytes, seconds: held.free(handle_id),
+                    authorize=held.admits)
+
+
+async def test_a_puller_without_the_secret_is_refused_and_the_owner_still_gets_the_kv():
+    init_ucx()
+    held = HeldKv(max_bytes=1 << 30)
+    kv = torch.full(SHAPE, 4.0)
+    crc = held.add("S", kv, lease_s=30, secret="router-minted-secret")
+    sender = held_kv_sender(held)
+    address = f"127.0.0.1:{sender.start(0)}"
+    receiver = KvReceiver()
+    try:
+        for wrong in ("", "router-minted-secreT", "router-minted-secret-and-more"):
+            out = torch.zeros(SHAPE)
+            with pytest.raises(PullRefused, match="refused"):
+                await receiver.fetch(address, "S", out, 10, "stranger", secret=wrong)
+            assert out.abs().sum() == 0, "a refused puller receives no bytes"
+            assert held.lookup("S") is kv, "a refused pull must not free the owner's KV"
+        out = torch.zeros(SHAPE)
+        await receiver.fetch(address, "S", out, 10, "owner", secret="router-minted-secret", crc32c=crc)
+        assert torch.equal(out, kv) and receiver.counters.num_transfers == 1
+        assert await eventually(lambda: held.lookup("S") is None), "the sender frees the KV once received"
+    finally:
+        await receiver.close()
+        sender.stop()
+
+
+def corrupting_lookup(good: torch.Tensor, num_corrupt: int):
+    """A producer lookup that serves a copy with one flipped byte on its first num_corrupt pulls (bytes
+    damaged in flight), then the good buffer."""
+    served = []
+
+    def lookup(handle_id: str) -> torch.Tensor:
+        served.append(handle_id)
+        if len(served) > num_corrupt:
+            return good
+        bad = good.clone()
+        bad.view(-1).view(torch.uint8)[12345] ^= 0x40
+        return bad
+
+    return lookup, served
+
+
+async def test_bytes_damaged_on_the_first_pull_are_pulled_again_and_verified():
+    init_ucx()
+    good = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    lookup, served = corrupting_lookup(good, num_corrupt=1)
+    sent = []
+    sender = KvSender(lookup=lookup, on_sent=lambda handle_id, num_bytes, seconds: sent.append(handle_id))
+    address = f"127.0.0.1:{sender.start(0)}"
+    receiver = KvReceiver()
+    try:
+        out = torch.zeros(SHAPE)
+        await receiver.fetch(address, "C", out, 10, crc32c=kv_crc32c(good))
+        assert torch.equal(out, good) and len(served) == 2
+        assert await eventually(lambda: sent) and sent == ["C"], "the sender frees on the verified pull's ack"
+        assert receiver.counters.num_transfers == 1
+    finally:
+        await receiver.close()
+        sender.stop()
+
+
+async def test_bytes_damaged_on_both_pulls_fail_with_a_checksum_error_and_the_sender_keeps_them():
+    init_ucx()
+    good = torch.randn(SHAPE, generator=torch.Generator().manual_seed(4))
+    lookup, served = corrupting_lookup(good, num_corrupt=2)
+    sent = []
+    sender = KvSender(lookup=lookup, on_sent=lambda handle_id, num_bytes, seconds: sent.append(handle_id))
+    address = f"127.0.0.1:{sender.start(0)}"
+    receiver = KvReceiver()
+    try:
+        with pytest.raises(ChecksumMismatch, match="checksum"):
+            await receiver.fetch(address, "C", torch.zeros(SHAPE), 10, crc32c=kv_crc32c(good))
+        assert len(served) == 2, "exactly one re-pull"
+        out = torch.zeros(SHAPE)
+        assert sent == [], "a failed checksum is not acknowledged as received: the sender keeps the KV"
+        await receiver.fetch(address, "C", out, 10, crc32c=kv_crc32c(good))  # the third serve is good
+        assert torch.equal(out, good) and receiver.counters.num_transfers == 1
+        assert await eventually(lambda: sent) and sent == ["C"]
     finally:
         await receiver.close()
         sender.stop()

@@ -7,7 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from distserve.transfer.connector import LocalConsumer, TransferError, make_consumer, make_producer
+from distserve.transfer.checksum import kv_crc32c
+from distserve.transfer.connector import (ChecksumMismatch, LocalConsumer, PullRefused, TransferError, make_consumer,
+                                          make_producer)
 
 
 def test_local_fetch_copies_the_buffer_and_reports_it_sent():
@@ -40,6 +42,32 @@ async def test_local_fetch_of_an_unknown_handle_or_shape_is_a_transfer_error():
         producer.stop()
     with pytest.raises(TransferError, match="no local producer"):
         await LocalConsumer().fetch(f"local:{port}", "h1", torch.zeros(1, 2, 4, 1, 1), 1.0)
+
+
+async def test_local_fetch_presents_the_secret_and_verifies_the_checksum():
+    kv = torch.arange(8, dtype=torch.float32).view(1, 2, 4, 1, 1)
+    held = {"h1": kv}
+    producer = make_producer("local", held.get, lambda *args: None,
+                             authorize=lambda handle_id, secret: secret == "s3cret")
+    address = f"local:{producer.start()}"
+    try:
+        with pytest.raises(PullRefused, match="refused"):
+            await LocalConsumer().fetch(address, "h1", torch.zeros_like(kv), 1.0, secret="")
+        with pytest.raises(ChecksumMismatch, match="checksum"):
+            await LocalConsumer().fetch(address, "h1", torch.zeros_like(kv), 1.0, secret="s3cret",
+                                        crc32c=kv_crc32c(kv) ^ 1)
+        out = torch.zeros_like(kv)
+        await LocalConsumer().fetch(address, "h1", out, 1.0, secret="s3cret", crc32c=kv_crc32c(kv))
+        assert torch.equal(out, kv)
+    finally:
+        producer.stop()
+
+
+def test_the_checksum_covers_every_byte_of_any_dtype():
+    kv = torch.randn(2, 2, 3, 2, 4).to(torch.bfloat16)
+    damaged = kv.clone()
+    damaged.view(-1).view(torch.uint8)[-1] ^= 1
+    assert kv_crc32c(kv) == kv_crc32c(kv.clone()) != kv_crc32c(damaged)
 
 
 def test_an_unknown_connector_is_named():
