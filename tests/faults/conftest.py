@@ -26,12 +26,14 @@ KV_LEASE_S = 8.0
 
 
 def faults_spec(model: str, log_dir: str, **overrides) -> ClusterSpec:
-    """The faults suite's system: all ports free, float32, short worker leases, supervised, gateway on."""
+    """The faults suite's system: all ports free, float32, short worker leases, supervised, gateway on;
+    its state file (for `distserve status`) is log_dir/up.json."""
     fields = dict(
         model=model, num_prefill=NUM_PREFILL, num_decode=NUM_DECODE, gateway_port=0,
         router_port=0, broker_port=0, prefill_base_port=0, decode_base_port=0, redis_port=0, metrics_base_port=0,
         env={"DISTSERVE_DTYPE": "float32"}, log_dir=log_dir,
-        prefill_args=[*PREFILL_TEST_ARGS, "--kv-lease-s", str(KV_LEASE_S)], decode_args=DECODE_TEST_ARGS, supervise=True,
+        prefill_args=[*PREFILL_TEST_ARGS, "--kv-lease-s", str(KV_LEASE_S)], decode_args=DECODE_TEST_ARGS,
+        supervise=True, state_file=f"{log_dir}/up.json",
     )
     return ClusterSpec(**{**fields, **overrides})
 

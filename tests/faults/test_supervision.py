@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -201,3 +203,18 @@ def test_gateway_killed(faults_cluster, reference):
         assert outcome.error, outcome  # the HTTP connection was cut; the router then cancels their work
     with urllib.request.urlopen(faults_cluster.gateway_url + "/v1/models", timeout=10) as reply:
         assert reply.status == 200  # the gateway answers again
+
+
+def test_status_shows_every_service_with_restarts_health_and_load(faults_cluster, reference):
+    # After the kills above (when run with them): their restarts show, and every child is SERVING again.
+    reply = subprocess.run([sys.executable, "-m", "distserve.cli", "status", "--state-file",
+                            faults_cluster.spec.state_file], capture_output=True, text=True, timeout=60)
+    assert reply.returncode == 0, reply.stderr
+    rows = {line.split()[0]: line for line in reply.stdout.splitlines()[1:]}
+    assert set(rows) == set(faults_cluster.processes), reply.stdout
+    for name, process in faults_cluster.processes.items():
+        row = rows[name]
+        assert row.split()[1] == str(process.popen.pid) and " SERVING" in row, row
+        assert row.split()[3] == str(process.restarts), row
+    assert "free blocks" in rows["decode-0"] and "held KV bytes" in rows["prefill-0"], reply.stdout
+    assert faults_cluster.processes["router"].address in rows["router"]

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
+import time
+from pathlib import Path
 
 import grpc
+import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from distserve.launcher import free_port
+from distserve import cli
+from distserve.launcher import Cluster, ClusterSpec, find_redis_server, free_port
 from tests.builders import token_request
 from tests.integration.conftest import WORKER_LEASE_S, wait_for_workers
-from distserve.v1 import router_pb2_grpc
+from distserve.v1 import common_pb2, kvbroker_pb2, kvbroker_pb2_grpc, router_pb2_grpc
 
 SERVICE_OF = {"router": "distserve.v1.RouterService", "kvbroker": "distserve.v1.KvBrokerService",
               "prefill-0": "distserve.v1.PrefillService", "decode-0": "distserve.v1.DecodeService"}
@@ -53,3 +59,67 @@ def test_sigterm_lets_an_in_flight_stream_finish(cluster):
         if spare.popen.poll() is None:
             cluster.kill("decode-drain")
         del cluster.processes["decode-drain"]
+
+
+PASSWORD = "n0t-f0r-y0ur-eyes"
+
+
+@pytest.fixture
+def tls_redis(tmp_path):
+    """A redis-server speaking only TLS and requiring a password; yields its rediss:// URL."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    port = free_port()
+    server = subprocess.Popen([find_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                               "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
+                               str(cert), "--tls-auth-clients", "no", "--requirepass", PASSWORD, "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
+    client = redis.Redis.from_url(url)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and server.poll() is None, "TLS redis-server did not start"
+                time.sleep(0.1)
+        yield url
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_children_use_a_tls_redis_with_a_password_and_never_show_it(tiny_model_path, tmp_path, tls_redis, capsys):
+    spec = ClusterSpec(model=tiny_model_path, num_prefill=0, num_decode=0, gateway_port=None, redis_url=tls_redis,
+                       router_port=0, broker_port=0, metrics_base_port=0, log_dir=str(tmp_path / "logs"),
+                       state_file=str(tmp_path / "up.json"), supervise=True)
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(tls_redis.replace(PASSWORD, "wrong")).ping()
+    cluster = Cluster(spec).start()
+    try:
+        # The kvbroker writes a handle to the TLS Redis with the password; the router reads the registry.
+        handle = kvbroker_pb2.KvHandle(handle_id="tls-check", request_id="r", owner_worker_id="w",
+                                       owner_ucx_address="127.0.0.1:1", layout=common_pb2.KvLayout(num_bytes=1))
+        with grpc.insecure_channel(cluster.broker_address) as channel:
+            kvbroker_pb2_grpc.KvBrokerServiceStub(channel).RegisterHandle(
+                kvbroker_pb2.RegisterHandleRequest(handle=handle, lease_s=30), timeout=10)
+            assert redis.Redis.from_url(tls_redis).keys("distserve:kv:*")
+            kvbroker_pb2_grpc.KvBrokerServiceStub(channel).ReleaseHandle(
+                kvbroker_pb2.ReleaseHandleRequest(handle_id="tls-check"), timeout=10)
+        time.sleep(1.5)  # a few router registry refreshes
+        assert "registry refresh failed" not in cluster.processes["router"].log_tail(200)
+        cli._print_addresses(cluster)
+        banner = capsys.readouterr().out
+        argvs = [Path(f"/proc/{p.popen.pid}/cmdline").read_bytes().decode() for p in cluster.processes.values()]
+        state = Path(spec.state_file).read_text()
+    finally:
+        cluster.stop()
+    logs = [path.read_text(errors="replace") for path in Path(spec.log_dir).iterdir()]
+    assert "rediss://:***@127.0.0.1" in banner and "rediss://:***@127.0.0.1" in state
+    for text in [banner, state, *argvs, *logs]:
+        assert PASSWORD not in text
