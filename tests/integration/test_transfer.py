@@ -1,11 +1,14 @@
-"""KV bytes move prefill -> decode over UCX; the broker only ever sees metadata."""
+"""KV bytes move prefill -> decode over UCX; the broker only ever sees metadata (the KV's checksum, never
+its pull secret); a decode worker presenting the wrong secret is refused."""
 
 from __future__ import annotations
 
 import grpc
+import pytest
+import redis
 
-from distserve.v1 import kvbroker_pb2, kvbroker_pb2_grpc
-from tests.builders import generate, token_request
+from distserve.v1 import decode_pb2, decode_pb2_grpc, kvbroker_pb2, kvbroker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.builders import generate, sampling, token_request
 from tests.integration.conftest import worker_stats
 
 PROMPT_LEN = 600
@@ -59,3 +62,35 @@ def test_kv_bytes_travel_over_ucx_between_workers(cluster, tiny_model_path):
     assert not stats.ucx_loaded, "the broker process must never load UCX"
     assert stats.num_registered >= 1 and stats.num_claimed >= 1 and stats.num_released >= 1
     assert stats.max_request_bytes < 1024 < handle_bytes, "broker requests carry metadata only"
+
+
+def prefill_with_secret(cluster, name: str, prompt: list[int], secret: str) -> prefill_pb2.PrefillResponse:
+    with grpc.insecure_channel(cluster.processes[name].address) as channel:
+        return prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(prefill_pb2.PrefillRequest(
+            request_id="pull-secret-test", prompt_token_ids=prompt, kv_secret=secret,
+            sampling=sampling(max_tokens=4, ignore_eos=True)), timeout=60)
+
+
+def decode_with_secret(cluster, name: str, prompt: list[int], reply: prefill_pb2.PrefillResponse,
+                       secret: str) -> list[int]:
+    with grpc.insecure_channel(cluster.processes[name].address) as channel:
+        messages = decode_pb2_grpc.DecodeServiceStub(channel).Decode(decode_pb2.DecodeRequest(
+            request_id=reply.request_id, kv_handle_id=reply.kv_handle_id, prompt_token_ids=prompt,
+            first_token_id=reply.first_token_id, sampling=sampling(max_tokens=4, ignore_eos=True),
+            kv_secret=secret), timeout=60)
+        return [t for m in messages for t in m.token_ids]
+
+
+def test_decode_pulls_with_the_request_secret_and_a_wrong_one_is_refused(cluster):
+    prompt = list(range(20, 80))
+    right = prefill_with_secret(cluster, "prefill-0", prompt, "minted-for-this-request")
+    tokens = decode_with_secret(cluster, "decode-0", prompt, right, "minted-for-this-request")
+    assert len(tokens) == 3, "the decode worker presented the secret and pulled the KV"
+    handle = kvbroker_pb2.KvHandle()  # the broker saw the checksum but never the secret
+    wrong = prefill_with_secret(cluster, "prefill-0", prompt, "minted-for-another-request")
+    record = redis.Redis.from_url(cluster.redis_url).hget(f"distserve:kv:{wrong.kv_handle_id}", "handle")
+    handle.ParseFromString(record)
+    assert handle.kv_crc32c != 0 and b"minted-for" not in record
+    with pytest.raises(grpc.RpcError) as refused:
+        decode_with_secret(cluster, "decode-0", prompt, wrong, "minted-for-this-request")
+    assert refused.value.code() == grpc.StatusCode.ABORTED and "refused" in refused.value.details()
