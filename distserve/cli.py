@@ -128,24 +128,30 @@ def _generate(args) -> int:
 def _up(args) -> int:
     spec = dataclasses.replace(_spec(args), supervise=not args.no_supervise, state_file=str(args.state_file))
     cluster = Cluster(spec)
-    stop = False
+    started = stop = False
 
     def on_signal(*_):
         nonlocal stop
+        if not started and not stop:  # abandon the start, once: Cluster.start stops what it began
+            stop = True
+            raise KeyboardInterrupt
         stop = True
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: the terminal closed
         signal.signal(signum, on_signal)
     _print_cores(cluster)
-    cluster.start()
     try:
+        cluster.start()
+        started = True
         _print_addresses(cluster)
         print(f"state     {args.state_file}  (`distserve status` reads it)")
         print("ready; Ctrl-C stops everything", flush=True)
         while not stop:
             time.sleep(0.2)
+    except KeyboardInterrupt:  # a signal during the start
+        return 130
     finally:
-        cluster.stop()
+        cluster.stop()  # idempotent; children also die with this process (see launcher._die_with_launcher)
     return 0
 
 

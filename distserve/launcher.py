@@ -20,6 +20,8 @@ children there (read by `distserve status`; see distserve.cluster_state).
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import dataclasses
 import logging
 import os
@@ -47,6 +49,10 @@ __all__ = ["Cluster", "ClusterSpec", "ManagedProcess", "StartError", "find_redis
 
 log = logging.getLogger(__name__)
 PORT_ATTEMPTS = 3  # starts of a child whose auto-chosen port was taken, before giving up
+# Every child is forked by this one thread, alive as long as the launcher: a child's parent-death signal
+# (see _die_with_launcher) fires when the thread that forked it ends, not only when the process does.
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distserve-spawner")
+_PR_SET_PDEATHSIG = 1
 
 
 def find_redis_server() -> str:
@@ -331,7 +337,9 @@ class Cluster:
             process.port_moves += 1
             self._move_to_free_ports(process)
             return
-        raise StartError(f"{process.name} exited with {process.popen.returncode}:\n{tail}")
+        hint = ("\nIts port is taken: is another `distserve up` running (`distserve status`)? Or choose other "
+                "ports." if is_bind_failure(tail) else "")
+        raise StartError(f"{process.name} exited with {process.popen.returncode}:\n{tail}{hint}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Sends sig to the child's process group and waits for it to exit (a supervisor then restarts it)."""
@@ -365,9 +373,21 @@ class Cluster:
 
 
 def _popen(process: ManagedProcess, mode: str) -> subprocess.Popen:
-    with open(process.log_path, mode) as log_file:
-        return subprocess.Popen(process.argv, stdout=log_file, stderr=subprocess.STDOUT, env=process.env,
-                                start_new_session=True)
+    """Starts the child (own session, output to its log) from the spawner thread."""
+    def spawn() -> subprocess.Popen:
+        with open(process.log_path, mode) as log_file:
+            return subprocess.Popen(process.argv, stdout=log_file, stderr=subprocess.STDOUT, env=process.env,
+                                    start_new_session=True, preexec_fn=_die_with_launcher)
+    return _SPAWNER.submit(spawn).result()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_launcher() -> None:
+    """Runs in the child before exec: SIGKILL when the launcher dies, even by SIGKILL, so that no orphan
+    keeps holding a port (Redis's 6390 above all) that the next `distserve up` needs."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _wait(process: ManagedProcess, grace_s: float) -> None:
