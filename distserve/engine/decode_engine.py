@@ -70,14 +70,18 @@ class DecodeEngine:
             await self._blocks_freed.wait()
         return allocator.allocate(num_blocks)
 
-    async def reserve_for(self, prompt_len: int, max_tokens: int, timeout_s: float, max_waiting: int = 0) -> list[int]:
-        """Blocks for a request's whole life (prompt + max_tokens, capped at the context), waiting up to
-        timeout_s for them to be free. Raises NoCapacity when this cache could never hold it, on timeout,
-        or at once when they are not free and `max_waiting` requests already wait (0: no bound)."""
+    async def reserve_for(self, prompt_len: int, max_tokens: int, timeout_s: float, max_waiting: int = 0,
+                          whole_life: bool = False) -> list[int]:
+        """Blocks for a request (`DecodeScheduler.blocks_for`: its whole life, or its start; always its
+        whole life with `whole_life`, e.g. for a request preempted once already, so it cannot be again),
+        waiting up to timeout_s for them to be free. Raises NoCapacity when this cache could never hold
+        it, on timeout, or at once when they are not free and `max_waiting` requests already wait
+        (0: no bound)."""
         allocator = self.scheduler.allocator
-        needed = self.scheduler.blocks_for(prompt_len, max_tokens)
-        if needed > allocator.num_blocks:
-            raise NoCapacity(f"request needs {needed} KV blocks; this worker has {allocator.num_blocks}")
+        whole_life_blocks = self.scheduler.blocks_for_life(prompt_len, max_tokens)
+        if whole_life_blocks > allocator.num_blocks:
+            raise NoCapacity(f"request needs {whole_life_blocks} KV blocks; this worker has {allocator.num_blocks}")
+        needed = whole_life_blocks if whole_life else self.scheduler.blocks_for(prompt_len, max_tokens)
         if max_waiting and self.num_reserving >= max_waiting and not allocator.can_allocate(needed):
             raise NoCapacity(f"KV cache is full: {allocator.num_free} blocks free, {needed} needed, and "
                              f"{self.num_reserving} requests already wait for blocks")

@@ -39,7 +39,8 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec) -> DecodeEngine:
     num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
                             dtype, config.device)
-    scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
+    scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context,
+                                config.reserve_ahead_tokens)
     runner = ModelRunner(model)
     runner.warm_up()
     return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids,

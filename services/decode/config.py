@@ -31,6 +31,10 @@ class DecodeConfig(TlsConfig):
     max_running: int = setting(64, "most sequences in one decode batch")
     transfer_timeout_s: float = setting(30.0, "deadline for one KV transfer")
     admission_timeout_s: float = setting(30.0, "how long a request may wait for free KV blocks")
+    reserve_ahead_tokens: int = setting(256, "KV blocks reserved on arrival cover the prompt and this many more "
+                                             "tokens; the rest grow as decoding goes, and a sequence that finds "
+                                             "the cache full preempts the youngest, which moves to another worker "
+                                             "(0: reserve prompt + max_tokens up front)")
     max_waiting_for_blocks: int = setting(16, "requests that may wait for free KV blocks at once; more are refused "
                                               "at once with RESOURCE_EXHAUSTED (0: no bound)")
     heartbeat_s: float = setting(1.0, "registry heartbeat interval")
@@ -44,6 +48,7 @@ class DecodeConfig(TlsConfig):
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.cpus:
             parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
+        require(self.reserve_ahead_tokens >= 0, "reserve_ahead_tokens", "must be >= 0 (0: whole life up front)")
         require(self.max_waiting_for_blocks >= 0, "max_waiting_for_blocks", "must be >= 0 (0: no bound)")
         require(self.block_size > 0, "block_size", "must be > 0")
         require(self.kv_cache_mb > 0, "kv_cache_mb", "must be > 0")

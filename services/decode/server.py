@@ -18,6 +18,7 @@ from distserve.transfer.connector import KvConsumer, TransferError
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
 from services.decode.config import DecodeConfig
 from distserve.engine.decode_engine import DecodeEngine, NoCapacity
+from distserve.engine.decode_scheduler import Preempted
 from distserve.engine.sequence import Sequence, stream_outputs
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id}):
                 # Blocks first: once claimed, the KV is pulled at once, well within the owner's lease.
+                # A request arriving with decoded tokens was moved here (maybe preempted): it reserves its
+                # whole life, so it cannot be preempted again.
                 seq.block_table = await self._reserve_blocks(seq.context_len, params.max_tokens - seq.num_generated + 1,
-                                                             context)
+                                                             len(request.output_token_ids) > 1, context)
                 handle = await self._claim(request, context)
                 owns_handle = True
                 transfer_s = await self._load_kv(handle, seq, request.kv_secret, context)
@@ -95,8 +98,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self._engine.add(seq)
             in_engine = True
             with tracing.span("stream", rid):
-                async for response in self._stream(seq, transfer_s):
-                    yield response
+                try:
+                    async for response in self._stream(seq, transfer_s):
+                        yield response
+                except Preempted as exc:
+                    # ABORTED: the router moves the request, with its tokens so far, to another worker
+                    log.warning("preempted request_id=%s: %s", rid, exc)
+                    await context.abort(grpc.StatusCode.ABORTED, str(exc))
             self._record_finish(seq, seq.finish_reason)
             await asyncio.wait([release])  # long done; keeps the broker's span inside this one
         finally:
@@ -124,9 +132,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
         return handle
 
-    async def _reserve_blocks(self, prompt_len: int, max_tokens: int, context) -> list[int]:
+    async def _reserve_blocks(self, prompt_len: int, max_tokens: int, whole_life: bool, context) -> list[int]:
         try:
-            return await self._engine.reserve_for(prompt_len, max_tokens, self._config.admission_timeout_s)
+            return await self._engine.reserve_for(prompt_len, max_tokens, self._config.admission_timeout_s,
+                                                 self._config.max_waiting_for_blocks, whole_life)
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 

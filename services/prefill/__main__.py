@@ -56,8 +56,10 @@ async def serve(config: PrefillConfig) -> None:
     spec = load_model_spec(path)
     runner = ModelRunner(model)
     runner.warm_up()
-    batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context,
-                             config.max_batch_tokens or saturation_tokens(config.device))
+    batch_tokens = config.max_batch_tokens or saturation_tokens(config.device)
+    batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, batch_tokens,
+                             max_queued_tokens=config.max_queued_tokens or 32 * batch_tokens,
+                             queue_timeout_s=config.queue_timeout_s)
     held = HeldKv(config.resolved_max_held_kv_bytes)
     metrics = PrefillMetrics()
 
@@ -79,7 +81,8 @@ async def serve(config: PrefillConfig) -> None:
 
     def record() -> WorkerRecord:
         load = {"outstanding_tokens": batcher.outstanding_tokens, "num_waiting": batcher.num_waiting,
-                "held_bytes": held.num_bytes, "max_held_bytes": held.max_bytes}
+                "held_bytes": held.num_bytes, "max_held_bytes": held.max_bytes,
+                "max_queued_tokens": batcher.max_queued_tokens}
         metrics.waiting.set(batcher.num_waiting)
         metrics.running.set(batcher.num_running)
         metrics.held_bytes.set(held.num_bytes)

@@ -30,6 +30,9 @@ class PrefillConfig(TlsConfig):
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
     max_batch_tokens: int = setting(0, "saturation length: prompt tokens per packed forward; longer prompts "
                                        "are chunked (0: auto, the engine's measured default for the device)")
+    max_queued_tokens: int = setting(0, "most prompt tokens queued or running at once; a Prefill beyond it fails "
+                                        "RESOURCE_EXHAUSTED at once (0: 32 forwards' worth, 32 x max_batch_tokens)")
+    queue_timeout_s: float = setting(60.0, "a prompt no forward has started on within this fails DEADLINE_EXCEEDED")
     kv_lease_s: float = setting(30.0, "free a held KV this long after registering if no one claims it")
     max_held_kv_bytes: int = setting(0, "most KV bytes held for decode workers at once; a Prefill that would "
                                         "exceed it fails RESOURCE_EXHAUSTED (0: a quarter of physical memory)")
@@ -45,6 +48,8 @@ class PrefillConfig(TlsConfig):
         if self.cpus:
             parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
         require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
+        require(self.max_queued_tokens >= 0, "max_queued_tokens", "must be >= 0 (0: auto)")
+        require(self.queue_timeout_s > 0, "queue_timeout_s", "must be > 0")
         require(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
         require(self.max_held_kv_bytes >= 0, "max_held_kv_bytes", "must be >= 0 (0: a quarter of physical memory)")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")

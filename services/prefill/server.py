@@ -17,7 +17,7 @@ from distserve.engine.model_spec import DTYPES, ModelSpec, prompt_error
 from distserve.metrics import PrefillMetrics
 from distserve.transfer.connector import KvProducer
 from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
-from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult
+from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult, QueueFull, QueueTimeout
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 
@@ -48,7 +48,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 "distserve.worker": self._config.resolved_worker_id}):
             prompt, params, next_token = await self._validated(request, context)
             await self._refuse_if_held_kv_full(len(prompt), context)
-            result = await self._batcher.submit(prompt, params, next_token)
+            try:
+                result = await self._batcher.submit(prompt, params, next_token)
+            except QueueFull as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except QueueTimeout as exc:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
             self._record(rid, len(prompt), result)
             response = prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=result.first_token, finish_reason=finish_to_proto(result.finish_reason),

@@ -99,3 +99,57 @@ def test_schedule_returns_a_snapshot_of_the_batch():
     batch = scheduler.schedule()
     batch.clear()
     assert len(scheduler.running) == 1
+
+
+def growing_scheduler(num_blocks: int, reserve_ahead: int = 2) -> DecodeScheduler:
+    return DecodeScheduler(BlockAllocator(num_blocks), BLOCK_SIZE, 8, MAX_CONTEXT, reserve_ahead_tokens=reserve_ahead)
+
+
+def advance(seq, count: int = 1) -> None:
+    """As the engine does after a step: the sampled token joins the sequence."""
+    seq.tokens.extend([7] * count)
+
+
+def test_reserve_ahead_reserves_the_prompt_and_a_few_tokens_then_grows_a_block_at_a_time():
+    scheduler = growing_scheduler(num_blocks=8)
+    assert scheduler.blocks_for(5, 40) == 2  # 5 + 2 tokens, not 5 + 40
+    assert scheduler.blocks_for_life(5, 40) == 12
+    [seq] = add_sequences(scheduler, 1, prompt_len=5, max_tokens=40)
+    assert len(seq.block_table) == 2
+    for _ in range(6):  # context 5 -> 11: the step writing position 8 needs a third block
+        scheduler.schedule()
+        assert len(seq.block_table) * BLOCK_SIZE >= seq.context_len + 1
+        advance(seq)
+    assert len(seq.block_table) == 3 and scheduler.allocator.num_used == 3
+
+
+async def test_a_full_cache_preempts_the_youngest_sequence_and_frees_its_blocks():
+    scheduler = growing_scheduler(num_blocks=4)
+    old, young = add_sequences(scheduler, 2, prompt_len=6, max_tokens=40)  # 6 + 2 tokens: 2 blocks each, all 4
+    scheduler.schedule()
+    advance(old, 2)  # context 8: old's next token needs a third block, none is free
+    assert scheduler.schedule() == [old]
+    assert young.is_aborted and young.block_table == [] and scheduler.num_preempted == 1
+    assert "preempted after" in str(young.outputs.get_nowait())
+    assert len(old.block_table) == 3 and scheduler.allocator.num_used == 3
+
+
+def test_the_youngest_sequence_preempts_itself_when_it_alone_needs_room():
+    scheduler = growing_scheduler(num_blocks=4)
+    old, young = add_sequences(scheduler, 2, prompt_len=6, max_tokens=40)
+    scheduler.schedule()
+    advance(young, 2)
+    assert scheduler.schedule() == [old]
+    assert young.is_aborted and scheduler.allocator.num_used == 2 and len(old.block_table) == 2
+
+
+def test_a_sequence_holding_blocks_for_its_whole_life_is_never_preempted():
+    scheduler = growing_scheduler(num_blocks=5)
+    [old] = add_sequences(scheduler, 1, prompt_len=6, max_tokens=40)  # 2 blocks, grows
+    whole = scheduler.allocator.allocate(scheduler.blocks_for_life(6, 6))  # 3 blocks: 6 + 6 tokens
+    migrated = decode_sequence("migrated", 6, whole, max_tokens=6)
+    scheduler.add(migrated)
+    scheduler.schedule()
+    advance(old, 2)  # old needs a third block; the only younger sequence holds its whole life
+    assert scheduler.schedule() == [migrated]
+    assert old.is_aborted and not migrated.is_aborted
