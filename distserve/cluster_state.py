@@ -31,7 +31,8 @@ def describe(cluster: "Cluster") -> dict:
                  "restarts": p.restarts, "state": p.state if p.popen.poll() is None or p.state != "running"
                  else "exited"} for p in list(cluster.processes.values())]
     return {"launcher_pid": os.getpid(), "redis_url": redact_url(cluster.redis_url),
-            "gateway_url": cluster.gateway_url, "log_dir": str(cluster.log_dir), "children": children}
+            "gateway_url": cluster.gateway_url, "log_dir": str(cluster.log_dir), "children": children,
+            "tls": cluster.spec.tls.tls_env()}  # file paths (never their contents), for status's health checks
 
 
 def write(path: Path, cluster: "Cluster") -> None:

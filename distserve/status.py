@@ -18,6 +18,7 @@ import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from distserve.grpc_server import TlsConfig, aio_channel
 from distserve.redact import redact_url
 from distserve.registry import WorkerRecord, WorkerRegistry
 
@@ -38,8 +39,14 @@ class ChildStatus:
     load: dict[str, float]
 
 
-async def _grpc_health(address: str) -> str:
-    async with grpc.aio.insecure_channel(address) as channel:
+def tls_from_state(state: dict) -> TlsConfig:
+    """The TLS settings the launcher gave its children (file paths), so health checks pass mTLS."""
+    by_env = {f.metadata["env"]: f.name for f in dataclasses.fields(TlsConfig)}
+    return TlsConfig(**{by_env[env]: value for env, value in state.get("tls", {}).items() if env in by_env})
+
+
+async def _grpc_health(address: str, tls: TlsConfig) -> str:
+    async with aio_channel(address, tls) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -84,7 +91,7 @@ async def collect(state: dict, redis_url: str) -> list[ChildStatus]:
             where = state["gateway_url"]
             health = await asyncio.to_thread(_http_health, where)
         else:
-            where, health = address, await _grpc_health(address)
+            where, health = address, await _grpc_health(address, tls_from_state(state))
         record = records.get(address)
         load = {label: record.load[key] for key, label in LOAD_FIELDS.items() if record and key in record.load}
         if address and name.startswith(ROLES) and record is None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
 import grpc
+import redis
 
 from distserve import tracing
 from distserve.metrics import BrokerMetrics
@@ -30,6 +32,19 @@ def register_error(request: kvbroker_pb2.RegisterHandleRequest) -> str | None:
     return None
 
 
+def redis_down_is_unavailable(method):
+    """Redis unreachable (restarting, network) is UNAVAILABLE to callers, a state they can retry
+    or wait out, not the UNKNOWN an escaping ConnectionError would become."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("%s: redis unavailable: %r", method.__name__, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"kvbroker's Redis is unavailable: {exc}")
+    return wrapper
+
+
 class KvBrokerServicer(kvbroker_pb2_grpc.KvBrokerServiceServicer):
     def __init__(self, store: HandleStore, config: KvBrokerConfig, metrics: BrokerMetrics):
         self._store = store
@@ -41,6 +56,7 @@ class KvBrokerServicer(kvbroker_pb2_grpc.KvBrokerServiceServicer):
         self._stats.max_request_bytes = max(self._stats.max_request_bytes, request.ByteSize())
         self._metrics.operations.labels(operation=operation, outcome=outcome).inc()
 
+    @redis_down_is_unavailable
     async def RegisterHandle(self, request, context):
         handle = request.handle
         with tracing.server_context(context), tracing.span("register", handle.request_id,
@@ -61,6 +77,7 @@ class KvBrokerServicer(kvbroker_pb2_grpc.KvBrokerServiceServicer):
                      handle.request_id, handle.layout.num_bytes, handle.owner_worker_id)
             return kvbroker_pb2.RegisterHandleResponse(handle=stored)
 
+    @redis_down_is_unavailable
     async def ClaimHandle(self, request, context):
         with tracing.server_context(context), tracing.span("claim", request.request_id,
                                                            **{"distserve.kv.handle_id": request.handle_id,
@@ -84,6 +101,7 @@ class KvBrokerServicer(kvbroker_pb2_grpc.KvBrokerServiceServicer):
                      request.claimant_worker_id)
             return kvbroker_pb2.ClaimHandleResponse(handle=handle)
 
+    @redis_down_is_unavailable
     async def ReleaseHandle(self, request, context):
         with tracing.server_context(context), tracing.span("release", request.request_id,
                                                            **{"distserve.kv.handle_id": request.handle_id,
@@ -98,6 +116,7 @@ class KvBrokerServicer(kvbroker_pb2_grpc.KvBrokerServiceServicer):
                      request.reason, existed)
             return kvbroker_pb2.ReleaseHandleResponse(existed=existed)
 
+    @redis_down_is_unavailable
     async def GetBrokerStats(self, request, context):
         stats = kvbroker_pb2.GetBrokerStatsResponse()
         stats.CopyFrom(self._stats)
