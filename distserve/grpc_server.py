@@ -39,6 +39,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A restarted peer is dialled again within 2 s (gRPC's default backoff grows to 120 s, during which
+    # calls to a peer that is back already fail fast with UNAVAILABLE).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),

@@ -42,6 +42,9 @@ _RETRYABLE = {"prefill": {grpc.StatusCode.UNAVAILABLE},
                          grpc.StatusCode.DEADLINE_EXCEEDED}}
 
 
+_KV_LOST = {grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}
+
+
 class _StageFailed(Exception):
     """A worker call failed; `retryable` when another worker may succeed where this one did not."""
 
@@ -215,6 +218,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             while True:
                 # The router names the KV handle, so it can release it whatever happens to the prefill call.
                 handle_id, secret = uuid.uuid4().hex, secrets.token_hex(16)
+                decoded_before = max(len(req.outputs), 1)  # the first token comes from prefill
                 try:
                     with self._picker.track(decode_worker, 1):
                         async for message in self._attempt(req, prefill_worker, decode_worker, handle_id, secret):
@@ -223,6 +227,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     return
                 except _StageFailed as failure:
                     self._broker.release_soon(handle_id, "retried", req.request_id)
+                    if failure.stage == "decode" and failure.code in _KV_LOST and len(req.outputs) <= decoded_before:
+                        self._picker.mark_suspect(prefill_worker)  # its KV never arrived: stalled or gone
                     prefill_worker, decode_worker = await self._replace_workers(req, failure, context)
         finally:
             if not handed_off and handle_id:

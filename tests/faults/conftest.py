@@ -23,6 +23,8 @@ NUM_PREFILL = 2
 NUM_DECODE = 2
 # KV a prefill worker holds for a request that died with Redis (or the broker) is freed after this.
 KV_LEASE_S = 8.0
+# A pull from a stalled prefill worker fails after this; the router then prefills again elsewhere.
+TRANSFER_TIMEOUT_S = 4.0
 
 
 def faults_spec(model: str, log_dir: str, **overrides) -> ClusterSpec:
@@ -32,7 +34,7 @@ def faults_spec(model: str, log_dir: str, **overrides) -> ClusterSpec:
         model=model, num_prefill=NUM_PREFILL, num_decode=NUM_DECODE, gateway_port=0,
         router_port=0, broker_port=0, prefill_base_port=0, decode_base_port=0, redis_port=0, metrics_base_port=0,
         env={"DISTSERVE_DTYPE": "float32"}, log_dir=log_dir,
-        prefill_args=[*PREFILL_TEST_ARGS, "--kv-lease-s", str(KV_LEASE_S)], decode_args=DECODE_TEST_ARGS,
+        prefill_args=[*PREFILL_TEST_ARGS, "--kv-lease-s", str(KV_LEASE_S)], decode_args=[*DECODE_TEST_ARGS, "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)],
         supervise=True, state_file=f"{log_dir}/up.json",
     )
     return ClusterSpec(**{**fields, **overrides})

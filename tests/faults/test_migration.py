@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.faults.conftest import TRANSFER_TIMEOUT_S
 
 # Long enough that every stream is still decoding when the worker dies (the tiny model decodes
 # a few hundred tokens per second on these machines); the context is 2048.
@@ -156,3 +157,30 @@ def test_prefill_worker_killed_while_prefilling_is_retried_on_the_other(faults_c
 
     assert [s.result() for s in streams] == unfailed
     assert _router_retries(faults_cluster, "prefill") >= retries_before + 1
+
+
+def test_a_stalled_prefill_worker_holding_kv_costs_one_transfer_timeout(faults_cluster, unfailed):
+    """Like the killed-holding-KV test, but the prefill worker is paused (SIGSTOP), not killed: the
+    pull times out, the router prefills again on the other worker and skips the stalled one for a
+    while (last in this module, so that skip cannot steer the other tests' routing)."""
+    decode_pids = [faults_cluster.processes[name].popen.pid for name in faults_cluster.processes
+                   if name.startswith("decode")]
+    for pid in decode_pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        stream = _run_all(faults_cluster, REQUESTS[1:2])[0]
+        assert stream.first_token.wait(30), "no first token"
+        stalled = faults_cluster.processes[_process_name(faults_cluster, stream.prefill_worker)].popen.pid
+        os.kill(stalled, signal.SIGSTOP)
+    finally:
+        for pid in decode_pids:
+            os.kill(pid, signal.SIGCONT)
+    started = time.monotonic()
+    try:
+        tokens = stream.result()
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+
+    assert tokens == unfailed[1]
+    assert elapsed < TRANSFER_TIMEOUT_S + 10, f"took {elapsed:.1f}s"
