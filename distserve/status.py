@@ -18,6 +18,7 @@ import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from distserve import redis_client
 from distserve.grpc_server import TlsConfig, aio_channel
 from distserve.redact import redact_url
 from distserve.registry import WorkerRecord, WorkerRegistry
@@ -77,7 +78,7 @@ async def _registry_view(client: aioredis.Redis) -> tuple[str, dict[str, WorkerR
 
 async def collect(state: dict, redis_url: str) -> list[ChildStatus]:
     """The status of every child in a launcher's state (see distserve.cluster_state.describe)."""
-    client = aioredis.from_url(redis_url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+    client = redis_client.connect(redis_url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
     try:
         redis_health, records = await _registry_view(client)
     finally:

@@ -7,8 +7,8 @@ import dataclasses
 import logging
 import sys
 
-import redis.asyncio as aioredis
 
+from distserve import redis_client
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
 from distserve.engine.colocated_engine import ColocatedEngine
@@ -54,7 +54,7 @@ async def serve(config: ColocatedConfig) -> None:
     spec = load_model_spec(path)
     engine = build_engine(config, load_engine_model(path, config.dtype, config.device), spec)
     metrics = ColocatedMetrics()
-    redis = aioredis.from_url(config.redis_url)
+    redis = redis_client.connect(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
     servicer = ColocatedServicer(config, spec, engine, metrics)
     serve_metrics(config.metrics_port, config.host)

@@ -9,6 +9,7 @@ import sys
 
 import redis.asyncio as aioredis
 
+from distserve import redis_client
 from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
@@ -67,7 +68,7 @@ async def serve(config: DecodeConfig) -> None:
     engine = build_engine(config, model, spec)
     metrics = DecodeMetrics()
     receiver = connector.make_consumer("ucx")
-    redis = aioredis.from_url(config.redis_url)
+    redis = redis_client.connect(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool(config)
     servicer = DecodeServicer(config, spec, engine, receiver,

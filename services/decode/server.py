@@ -141,7 +141,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, secret: str, context) -> float:
         """Pulls the handle's KV, presenting the request's secret, verifies its checksum (a mismatch is
-        pulled once more, then ABORTED "checksum") and writes it into the sequence's blocks."""
+        pulled once more, then DATA_LOSS "checksum") and writes it into the sequence's blocks."""
         layout = handle.layout
         staging = torch.empty((layout.num_layers, 2, layout.num_tokens, layout.num_kv_heads, layout.head_dim),
                               dtype=DTYPES[layout.dtype])
@@ -151,8 +151,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                                                     self._config.transfer_timeout_s, seq.request_id, secret,
                                                     handle.kv_crc32c or None)
         except TransferError as exc:
-            # ABORTED, not UNAVAILABLE: the handle was claimed here, so the router must not retry it elsewhere
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+            # DATA_LOSS, not UNAVAILABLE (this worker is fine): the KV's owner could not deliver it (gone,
+            # stalled, refused, or bytes that failed their checksum); the router prefills again elsewhere
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         self._metrics.kv_transfer_time.observe(transfer_s)
         self._metrics.kv_transfer_bytes.inc(layout.num_bytes)
         self._engine.kv_cache.write_prompt(seq.block_table, staging.to(self._engine.kv_cache.storage.device))

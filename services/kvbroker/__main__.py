@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import redis.asyncio as aioredis
 
+from distserve import redis_client
 from distserve.config import parse_config
 from distserve.grpc_server import Service, run_grpc_server
 from distserve.logs import setup_logging
@@ -19,7 +19,7 @@ from services.kvbroker.store import HandleStore
 
 
 async def serve(config: KvBrokerConfig) -> None:
-    redis = aioredis.from_url(config.redis_url)
+    redis = redis_client.connect(config.redis_url)
     servicer = KvBrokerServicer(HandleStore(redis), config, BrokerMetrics())
     serve_metrics(config.metrics_port, config.host)
     service = Service(kvbroker_pb2_grpc.add_KvBrokerServiceServicer_to_server, servicer,

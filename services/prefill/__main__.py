@@ -9,6 +9,7 @@ import sys
 
 import redis.asyncio as aioredis
 
+from distserve import redis_client
 from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
@@ -70,7 +71,7 @@ async def serve(config: PrefillConfig) -> None:
 
     sender = connector.make_producer("ucx", held.lookup, on_sent, held.admits)
     ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
-    redis = aioredis.from_url(config.redis_url)
+    redis = redis_client.connect(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool(config)
     servicer = PrefillServicer(config, spec, config.dtype, batcher, held, sender,

@@ -8,8 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-import redis.asyncio as aioredis
 
+from distserve import redis_client
 from distserve.config import parse_config
 from distserve.engine.model_loader import load_tokenizer, resolve_model_path
 from distserve.engine.model_spec import load_model_spec
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 async def serve(config: RouterConfig) -> None:
     path = resolve_model_path(config.model)
-    redis = aioredis.from_url(config.redis_url)
+    redis = redis_client.connect(config.redis_url)
     picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s)
     channels = ChannelPool(config)
     servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels,

@@ -34,15 +34,13 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
 
 
 # Worker failures another worker can make up for. UNAVAILABLE: the worker is unreachable or died.
-# ABORTED / NOT_FOUND: the KV could not be pulled (its owner died, a transfer failed or timed out, a
-# checksum did not match) or its handle is gone; workers use these codes for nothing else.
-# DEADLINE_EXCEEDED on decode: the router's idle watchdog found the worker silent (stalled).
+# Decode only: DATA_LOSS: the KV's owner could not deliver it (died, stalled past the transfer
+# timeout, refused, or its bytes failed their checksum); ABORTED: the claim failed or the worker
+# preempted the request (its cache filled up); NOT_FOUND: the handle is gone; DEADLINE_EXCEEDED:
+# the router's idle watchdog found the worker silent (stalled). Workers use these codes for nothing else.
 _RETRYABLE = {"prefill": {grpc.StatusCode.UNAVAILABLE},
-              "decode": {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND,
-                         grpc.StatusCode.DEADLINE_EXCEEDED}}
-
-
-_KV_LOST = {grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}
+              "decode": {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
+                         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}}
 
 
 class _StageFailed(Exception):
@@ -218,7 +216,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             while True:
                 # The router names the KV handle, so it can release it whatever happens to the prefill call.
                 handle_id, secret = uuid.uuid4().hex, secrets.token_hex(16)
-                decoded_before = max(len(req.outputs), 1)  # the first token comes from prefill
                 try:
                     with self._picker.track(decode_worker, 1):
                         async for message in self._attempt(req, prefill_worker, decode_worker, handle_id, secret):
@@ -227,8 +224,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     return
                 except _StageFailed as failure:
                     self._broker.release_soon(handle_id, "retried", req.request_id)
-                    if failure.stage == "decode" and failure.code in _KV_LOST and len(req.outputs) <= decoded_before:
-                        self._picker.mark_suspect(prefill_worker)  # its KV never arrived: stalled or gone
+                    if failure.stage == "decode" and failure.code == grpc.StatusCode.DATA_LOSS:
+                        self._picker.mark_suspect(prefill_worker)  # it could not deliver its KV: stalled or gone
                     prefill_worker, decode_worker = await self._replace_workers(req, failure, context)
         finally:
             if not handed_off and handle_id:

@@ -93,4 +93,4 @@ def test_decode_pulls_with_the_request_secret_and_a_wrong_one_is_refused(cluster
     assert handle.kv_crc32c != 0 and b"minted-for" not in record
     with pytest.raises(grpc.RpcError) as refused:
         decode_with_secret(cluster, "decode-0", prompt, wrong, "minted-for-this-request")
-    assert refused.value.code() == grpc.StatusCode.ABORTED and "refused" in refused.value.details()
+    assert refused.value.code() == grpc.StatusCode.DATA_LOSS and "refused" in refused.value.details()

@@ -9,6 +9,7 @@ import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from distserve import redis_client
 from distserve import tracing
 from distserve.grpc_server import aio_channel
 from distserve.registry import WorkerRegistry
@@ -69,7 +70,7 @@ class RouterClient:
         self._channel = aio_channel(config.router_address, config, tracing.client_interceptors())
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._redis = aioredis.from_url(config.redis_url, socket_connect_timeout=config.health_timeout_s,
+        self._redis = redis_client.connect(config.redis_url, socket_connect_timeout=config.health_timeout_s,
                                         socket_timeout=config.health_timeout_s)
         self._registry = WorkerRegistry(self._redis, lease_s=0)
 

@@ -1,0 +1,23 @@
+"""The one way services connect to Redis: a restarted Redis is reconnected to transparently.
+
+redis-py keeps pooled connections; after Redis restarts, the first command on each one fails
+("Connection closed by server") unless the client retries connection errors, which redis-py
+(8.x) does only when told which errors to retry. Commands are retried on a fresh connection
+a few times with a short backoff, so a Redis restart costs callers a pause, not an error.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, TimeoutError
+
+RETRIES = 3
+
+
+def connect(url: str, **options) -> aioredis.Redis:
+    """An asyncio Redis client for url (redis://, rediss://, passwords included); `options` are
+    redis-py's (timeouts, ...)."""
+    return aioredis.from_url(url, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES),
+                             retry_on_error=[ConnectionError, TimeoutError], **options)
