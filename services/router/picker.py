@@ -44,8 +44,11 @@ class WorkerPicker:
             await asyncio.sleep(interval_s)
 
     def workers(self, role: str) -> list[WorkerRecord]:
+        """The registered `role` workers, less those that failed within suspect_s; all of them when
+        every one did (a suspect may be back already, e.g. restarted: trying beats refusing)."""
         now = time.monotonic()
-        return [w for w in self._workers[role] if self._suspect_until.get(w.worker_id, 0) <= now]
+        healthy = [w for w in self._workers[role] if self._suspect_until.get(w.worker_id, 0) <= now]
+        return healthy or list(self._workers[role])
 
     def pick_prefill(self, num_tokens: int = 0) -> WorkerRecord | None:
         """The prefill worker with the fewest outstanding prompt tokens among those with room for

@@ -183,7 +183,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             decode_worker = prefill_worker and self._picker.pick_decode(num_tokens, prefill_worker.kv_format)
             for role in ("prefill", "decode"):
                 if not self._picker.workers(role):
-                    await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"no {role} worker is available")
+                    await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
             if prefill_worker is None:
                 await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    "every prefill worker is at capacity (prompt queue or held KV); retry later")

@@ -54,6 +54,15 @@ def test_suspect_worker_is_skipped():
     assert picker.pick_decode(10) is b
 
 
+def test_when_every_worker_is_suspect_they_are_all_tried_rather_than_none():
+    a, b = decode("a"), decode("b", running=5)
+    picker = picker_with([], [a, b])
+    picker.mark_suspect(a)
+    picker.mark_suspect(b)
+    assert picker.pick_decode(10) is a  # back to plain least-loaded: a restarted worker may be fine
+    assert picker_with([], []).pick_decode(10) is None
+
+
 def test_colocated_with_fewest_outstanding_tokens_that_can_hold_the_request():
     busy, idle, tiny = colocated("busy", outstanding=500), colocated("idle", running=9), colocated("tiny", total=1)
     picker = picker_with([], [], [busy, idle, tiny])
