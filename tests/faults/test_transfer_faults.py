@@ -18,7 +18,6 @@ import time
 import pytest
 import torch
 
-from distserve.transfer import connector
 from distserve.transfer.connector import PullRefused, TransferError
 from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
 from tests.faults.ucx_peer import SECRET, SHAPE, STALLED_HANDLE
@@ -51,12 +50,6 @@ def peers():
     yield started
     for peer in started:
         peer.stop()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ucx_stopped_at_exit():
-    yield
-    connector.shutdown("ucx")
 
 
 @pytest.fixture

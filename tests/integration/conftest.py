@@ -44,12 +44,3 @@ def cluster(tiny_model_path, tmp_path_factory, otlp_receiver):
 def system_is_clean_after(cluster):
     yield
     assert_clean(cluster)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def ucx_stopped_at_exit():
-    """Tests that move KV in this process stop ucxx's notifier thread at the end, so pytest can exit."""
-    yield
-    from distserve.transfer import connector
-
-    connector.shutdown("ucx")

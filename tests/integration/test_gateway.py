@@ -236,11 +236,13 @@ async def test_disconnect_mid_stream_frees_decode_blocks_within_1s(cluster):
 
 @pytest.fixture(scope="module")
 def small_cluster(tiny_model_path, tmp_path_factory):
-    """1 prefill, 1 decode with 128 KV blocks that waits 0.5 s for free blocks; the gateway needs API_KEY."""
+    """1 prefill, 1 decode with 128 KV blocks that waits 0.5 s for free blocks and reserves each request's
+    whole life up front (so a request that cannot fit is refused, not admitted and preempted later; the
+    growing path is tests/faults/test_preemption.py); the gateway needs API_KEY."""
     free_ports = {f.name: 0 for f in dataclasses.fields(ClusterSpec) if f.name.endswith("_port")}  # incl. gateway
     spec = ClusterSpec(model=tiny_model_path, **free_ports,
                        log_dir=str(tmp_path_factory.mktemp("small-logs")),
-                       decode_args=["--kv-cache-mb", "1", "--admission-timeout-s", "0.5"],
+                       decode_args=["--kv-cache-mb", "1", "--admission-timeout-s", "0.5", "--reserve-ahead-tokens", "0"],
                        env={"DISTSERVE_DTYPE": "float32", "DISTSERVE_API_KEY": API_KEY})  # fp32: 1 MiB: 128 blocks
     small = Cluster(spec).start()
     wait_for_workers(small, 1, 1)
