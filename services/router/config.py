@@ -19,6 +19,8 @@ class RouterConfig(TlsConfig):
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
     request_timeout_s: float = setting(600.0, "deadline for one request's worker calls")
+    connect_timeout_s: float = setting(2.0, "how long to wait for a worker's connection (e.g. one just restarted) "
+                                            "before taking it as down")
     prefill_timeout_s: float = setting(120.0, "deadline for one Prefill call (queue and forward)")
     decode_idle_timeout_s: float = setting(60.0, "a decode worker silent this long (no token, covering block wait "
                                                  "and KV transfer before the first) is treated as stalled and the "
@@ -32,6 +34,7 @@ class RouterConfig(TlsConfig):
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        require(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
         require(self.prefill_timeout_s > 0, "prefill_timeout_s", "must be > 0")
         require(self.decode_idle_timeout_s > 0, "decode_idle_timeout_s", "must be > 0")
         require(self.max_retries >= 0, "max_retries", "must be >= 0")

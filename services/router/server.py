@@ -278,9 +278,23 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         len(req.prompt), max(len(req.outputs) - 1, 0))
             return await self._route(req, context)
 
+    async def _connected(self, worker: WorkerRecord, stage: str) -> grpc.aio.Channel:
+        """The worker's channel once connected, waiting up to connect_timeout_s. A channel whose last
+        connect failed fails its calls at once until its backoff ends, even when the worker is back
+        (restarted): waiting for the reconnect here spares a healthy worker being taken for dead.
+        Raises _StageFailed (UNAVAILABLE) when it does not connect in time."""
+        channel = self._channels.get(worker.address)
+        if channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            try:
+                await asyncio.wait_for(channel.channel_ready(), self._config.connect_timeout_s)
+            except asyncio.TimeoutError:
+                raise _StageFailed(grpc.StatusCode.UNAVAILABLE, f"could not connect to {worker.address} within "
+                                   f"{self._config.connect_timeout_s:g}s", worker, stage) from None
+        return channel
+
     async def _prefill(self, req: _Request, worker: WorkerRecord, handle_id: str,
                        secret: str) -> prefill_pb2.PrefillResponse:
-        stub = prefill_pb2_grpc.PrefillServiceStub(self._channels.get(worker.address))
+        stub = prefill_pb2_grpc.PrefillServiceStub(await self._connected(worker, "prefill"))
         call = prefill_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
                                           sampling=sampling_to_proto(req.params), kv_handle_id=handle_id,
                                           output_token_ids=req.outputs, kv_secret=secret)
@@ -291,7 +305,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _decode(self, req: _Request, first, worker: WorkerRecord, secret: str):
         """Streams the decode worker's tokens; raises _StageFailed if the worker fails."""
-        stub = decode_pb2_grpc.DecodeServiceStub(self._channels.get(worker.address))
+        stub = decode_pb2_grpc.DecodeServiceStub(await self._connected(worker, "decode"))
         call = stub.Decode(decode_pb2.DecodeRequest(
             request_id=req.request_id, kv_handle_id=first.kv_handle_id, prompt_token_ids=req.prompt,
             first_token_id=first.first_token_id, sampling=sampling_to_proto(req.params),

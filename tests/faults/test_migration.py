@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.config import RouterConfig
 from tests.faults.conftest import TRANSFER_TIMEOUT_S
 
 # Long enough that every stream is still decoding when the worker dies (the tiny model decodes
@@ -143,6 +144,7 @@ def test_prefill_worker_killed_before_its_kv_is_pulled_is_prefilled_again(faults
 
 def test_prefill_worker_killed_while_prefilling_is_retried_on_the_other(faults_cluster, unfailed):
     """Prefill workers are paused so the prompts wait there; one is killed, the other resumed."""
+    time.sleep(RouterConfig().suspect_s)  # earlier kills leave a worker skipped this long: let both take prompts
     prefill_names = [name for name in faults_cluster.processes if name.startswith("prefill")]
     pids = {name: faults_cluster.processes[name].popen.pid for name in prefill_names}
     retries_before = _router_retries(faults_cluster, "prefill")
