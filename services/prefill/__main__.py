@@ -59,7 +59,7 @@ async def serve(config: PrefillConfig) -> None:
     runner.warm_up()
     batch_tokens = config.max_batch_tokens or saturation_tokens(config.device)
     batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, batch_tokens,
-                             max_queued_tokens=config.max_queued_tokens or 32 * batch_tokens,
+                             max_queued_tokens=config.max_queued_tokens or 256 * batch_tokens,
                              queue_timeout_s=config.queue_timeout_s)
     held = HeldKv(config.resolved_max_held_kv_bytes)
     metrics = PrefillMetrics()

@@ -31,7 +31,8 @@ class PrefillConfig(TlsConfig):
     max_batch_tokens: int = setting(0, "saturation length: prompt tokens per packed forward; longer prompts "
                                        "are chunked (0: auto, the engine's measured default for the device)")
     max_queued_tokens: int = setting(0, "most prompt tokens queued or running at once; a Prefill beyond it fails "
-                                        "RESOURCE_EXHAUSTED at once (0: 32 forwards' worth, 32 x max_batch_tokens)")
+                                        "RESOURCE_EXHAUSTED at once (0: 256 forwards' worth, 256 x max_batch_tokens: "
+                                        "bursts queue, a flood is refused)")
     queue_timeout_s: float = setting(60.0, "a prompt no forward has started on within this fails DEADLINE_EXCEEDED")
     kv_lease_s: float = setting(30.0, "free a held KV this long after registering if no one claims it")
     max_held_kv_bytes: int = setting(0, "most KV bytes held for decode workers at once; a Prefill that would "

@@ -23,6 +23,7 @@ from distserve.registry import WorkerRecord
 from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.picker import WorkerPicker
+from services.router.stage_failure import StageFailed
 from services.router.text_stream import TextStream
 from services.router.validation import InvalidRequest, validate_request_async
 
@@ -31,29 +32,6 @@ log = logging.getLogger(__name__)
 # Worker errors that describe the request itself are passed to the client as they are.
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-# Worker failures another worker can make up for. UNAVAILABLE: the worker is unreachable or died.
-# Decode only: DATA_LOSS: the KV's owner could not deliver it (died, stalled past the transfer
-# timeout, refused, or its bytes failed their checksum); ABORTED: the claim failed or the worker
-# preempted the request (its cache filled up); NOT_FOUND: the handle is gone; DEADLINE_EXCEEDED:
-# the router's idle watchdog found the worker silent (stalled). Workers use these codes for nothing else.
-_RETRYABLE = {"prefill": {grpc.StatusCode.UNAVAILABLE},
-              "decode": {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
-                         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}}
-
-
-class _StageFailed(Exception):
-    """A worker call failed; `retryable` when another worker may succeed where this one did not."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, worker: WorkerRecord, stage: str):
-        super().__init__(f"{stage} worker {worker.worker_id}: {details}")
-        self.code, self.details, self.worker, self.stage = code, details, worker, stage
-        self.retryable = code in _RETRYABLE[stage]
-
-    @classmethod
-    def of(cls, error: grpc.aio.AioRpcError, worker: WorkerRecord, stage: str) -> "_StageFailed":
-        return cls(error.code(), error.details() or "", worker, stage)
 
 
 @dataclasses.dataclass
@@ -172,7 +150,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 yield message
                 response = await call.read()
         except grpc.aio.AioRpcError as exc:
-            await self._abort_for(_StageFailed.of(exc, worker, "colocated"), context)
+            await self._abort_for(StageFailed.of(exc, worker, "colocated"), context)
         finally:
             call.cancel()
 
@@ -222,7 +200,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                             yield message
                     handed_off = True
                     return
-                except _StageFailed as failure:
+                except StageFailed as failure:
                     self._broker.release_soon(handle_id, "retried", req.request_id)
                     if failure.stage == "decode" and failure.code == grpc.StatusCode.DATA_LOSS:
                         self._picker.mark_suspect(prefill_worker)  # it could not deliver its KV: stalled or gone
@@ -234,7 +212,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _attempt(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord,
                        handle_id: str, secret: str):
-        """One try at the rest of the request. Raises _StageFailed if a worker failed in a way another
+        """One try at the rest of the request. Raises StageFailed if a worker failed in a way another
         worker can make up for; the request's own errors abort the call."""
         with self._picker.track(prefill_worker, len(req.prompt) + len(req.outputs)):
             first = await self._prefill(req, prefill_worker, handle_id, secret)
@@ -257,7 +235,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
         return message
 
-    async def _replace_workers(self, req: _Request, failure: "_StageFailed",
+    async def _replace_workers(self, req: _Request, failure: "StageFailed",
                                context) -> tuple[WorkerRecord, WorkerRecord]:
         """New workers for a request whose `failure.stage` failed; aborts the call when the failure is
         not one another worker can make up for, or the request is out of retries."""
@@ -282,13 +260,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """The worker's channel once connected, waiting up to connect_timeout_s. A channel whose last
         connect failed fails its calls at once until its backoff ends, even when the worker is back
         (restarted): waiting for the reconnect here spares a healthy worker being taken for dead.
-        Raises _StageFailed (UNAVAILABLE) when it does not connect in time."""
+        Raises StageFailed (UNAVAILABLE) when it does not connect in time."""
         channel = self._channels.get(worker.address)
         if channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
             try:
                 await asyncio.wait_for(channel.channel_ready(), self._config.connect_timeout_s)
             except asyncio.TimeoutError:
-                raise _StageFailed(grpc.StatusCode.UNAVAILABLE, f"could not connect to {worker.address} within "
+                raise StageFailed(grpc.StatusCode.UNAVAILABLE, f"could not connect to {worker.address} within "
                                    f"{self._config.connect_timeout_s:g}s", worker, stage) from None
         return channel
 
@@ -301,10 +279,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             return await stub.Prefill(call, timeout=self._config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _StageFailed.of(exc, worker, "prefill") from exc
+            raise StageFailed.of(exc, worker, "prefill") from exc
 
     async def _decode(self, req: _Request, first, worker: WorkerRecord, secret: str):
-        """Streams the decode worker's tokens; raises _StageFailed if the worker fails."""
+        """Streams the decode worker's tokens; raises StageFailed if the worker fails."""
         stub = decode_pb2_grpc.DecodeServiceStub(await self._connected(worker, "decode"))
         call = stub.Decode(decode_pb2.DecodeRequest(
             request_id=req.request_id, kv_handle_id=first.kv_handle_id, prompt_token_ids=req.prompt,
@@ -325,7 +303,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     return  # a stop string ended it first: the finally cancels the worker's call
         except grpc.aio.AioRpcError as exc:
-            raise _StageFailed.of(exc, worker, "decode") from exc
+            raise StageFailed.of(exc, worker, "decode") from exc
         finally:
             call.cancel()
 
@@ -335,7 +313,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             return await asyncio.wait_for(call.read(), self._config.decode_idle_timeout_s)
         except asyncio.TimeoutError:
-            raise _StageFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise StageFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no message for {self._config.decode_idle_timeout_s:g}s", worker, "decode") from None
 
     def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None) -> router_pb2.GenerateResponse:
@@ -379,7 +357,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._metrics.failures.labels(code=code.name).inc()
         await context.abort(code, details)
 
-    async def _abort_for(self, failure: _StageFailed, context) -> None:
+    async def _abort_for(self, failure: StageFailed, context) -> None:
         code, worker = failure.code, failure.worker
         if code == grpc.StatusCode.UNAVAILABLE:
             self._picker.mark_suspect(worker)
