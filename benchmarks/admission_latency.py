@@ -21,8 +21,7 @@ import aiohttp
 
 from benchmarks.results_io import write_results
 from distserve.engine.default_model import ensure_default_model
-from distserve.launcher import Cluster
-from tests.cluster_helpers import wait_for_workers
+from tests.cluster_helpers import running_cluster
 from tests.faults.conftest import faults_spec
 
 
@@ -82,15 +81,11 @@ def main() -> None:
     prefill_args = ["--max-batch-tokens", "256", "--max-queued-tokens", str(args.max_queued_tokens)]
     spec = faults_spec(str(ensure_default_model("tiny")), tempfile.mkdtemp(prefix="admission-"), num_prefill=1,
                        num_decode=1, prefill_args=prefill_args, supervise=False)
-    cluster = Cluster(spec).start()
-    try:
-        wait_for_workers(cluster, 1, 1)
+    with running_cluster(spec, 1, 1) as cluster:
         pids = {name: cluster.processes[name].popen.pid for name in ("prefill-0", "decode-0", "router", "gateway")}
         rss_before = {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
         answers = asyncio.run(flood(cluster.gateway_url, args.concurrency, args.seconds))
         rss_after = {name: round(rss_mib(pid), 1) for name, pid in pids.items()}
-    finally:
-        cluster.stop()
     result = {"command": "python -m benchmarks.admission_latency " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
               "prompt_tokens": 128, "max_tokens": 8, **summarize(answers),

@@ -8,6 +8,9 @@ import dataclasses
 import grpc
 import torch
 
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.decode_scheduler import DecodeScheduler
+from distserve.engine.kv_cache import BlockAllocator
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import SamplingParams
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -100,3 +103,9 @@ def decode_sequence(request_id: str = "r", prompt_len: int = 4, block_table: lis
     return Sequence(request_id=request_id, tokens=list(range(2, prompt_len + 3)), prompt_len=prompt_len,
                     params=SamplingParams(**params), block_table=list(block_table or []),
                     outputs=asyncio.Queue())
+
+
+def engine_with_blocks(num_blocks: int) -> DecodeEngine:
+    """A decode engine with no model: enough to exercise block reservation and admission."""
+    scheduler = DecodeScheduler(BlockAllocator(num_blocks), block_size=4, max_running=8, max_context=1024)
+    return DecodeEngine(runner=None, kv_cache=None, scheduler=scheduler, eos_ids=(), max_context=1024)

@@ -7,13 +7,15 @@ or colocated workers. `assert_clean` waits a few seconds for it to reach zero.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.request
+from typing import Iterator
 
 import grpc
 import redis
 
-from distserve.launcher import Cluster
+from distserve.launcher import Cluster, ClusterSpec
 from distserve.v1 import colocated_pb2, colocated_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 WORKER_LEASE_S = 2.0
@@ -114,3 +116,14 @@ def _wait_gateway(url: str, deadline: float) -> None:
             pass
         assert time.monotonic() < deadline, f"gateway {url} not answering"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def running_cluster(spec: ClusterSpec, num_prefill: int, num_decode: int) -> Iterator[Cluster]:
+    """Starts `spec`, waits until its workers are registered, yields it, and stops it whatever happens."""
+    cluster = Cluster(spec).start()
+    try:
+        wait_for_workers(cluster, num_prefill, num_decode)
+        yield cluster
+    finally:
+        cluster.stop()

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from distserve.launcher import Cluster, ClusterSpec
-from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, assert_clean, wait_for_workers, wait_recovered
+from distserve.launcher import ClusterSpec
+from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, assert_clean, running_cluster, wait_recovered
 
 NUM_PREFILL = 2
 NUM_DECODE = 2
@@ -42,12 +42,8 @@ def faults_spec(model: str, log_dir: str, **overrides) -> ClusterSpec:
 
 @pytest.fixture(scope="module")
 def faults_cluster(tiny_model_path, tmp_path_factory):
-    cluster = Cluster(faults_spec(tiny_model_path, str(tmp_path_factory.mktemp("fault-logs")))).start()
-    try:
-        wait_for_workers(cluster, NUM_PREFILL, NUM_DECODE)
+    with running_cluster(faults_spec(tiny_model_path, str(tmp_path_factory.mktemp("fault-logs"))), NUM_PREFILL, NUM_DECODE) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ crossed every internal hop (gateway -> router -> broker, prefill, decode) over m
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -17,10 +16,10 @@ import pytest
 
 from distserve.dev_certs import make_ca, make_dev_certs, make_signed_cert
 from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
-from distserve.launcher import Cluster, ClusterSpec
+from distserve.launcher import ClusterSpec
 from distserve.v1 import router_pb2, router_pb2_grpc
 from tests.builders import sampling
-from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, wait_for_workers
+from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, running_cluster
 
 API_KEY = "sk-auth-test"
 
@@ -37,12 +36,8 @@ def secure_cluster(tiny_model_path, tmp_path_factory, certs):
                        env={"DISTSERVE_DTYPE": "float32", "DISTSERVE_API_KEY": API_KEY}, tls=certs,
                        log_dir=str(tmp_path_factory.mktemp("auth-logs")),
                        prefill_args=PREFILL_TEST_ARGS, decode_args=DECODE_TEST_ARGS)
-    cluster = Cluster(spec).start()
-    try:
-        wait_for_workers(cluster, 1, 1)
+    with running_cluster(spec, 1, 1) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def generate(address: str, tls: TlsConfig) -> list[router_pb2.GenerateResponse]:

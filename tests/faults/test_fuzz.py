@@ -21,11 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distserve.launcher import Cluster, ClusterSpec
+from distserve.launcher import ClusterSpec
 from distserve.v1 import router_pb2_grpc
 from services.router.validation import MAX_STOP_STRINGS
 from tests.api_strategies import JSON, chat_body, completion_body, dumps, generate_request
-from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, wait_for_workers
+from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, running_cluster
 
 VOCAB_SIZE = 4096  # the tiny model's; out-of-vocabulary ids are drawn around it
 FUZZ = settings(max_examples=120, deadline=None, database=None,
@@ -39,12 +39,8 @@ def fuzz_cluster(tiny_model_path, tmp_path_factory):
                        broker_port=0, prefill_base_port=0, decode_base_port=0, redis_port=0, metrics_base_port=0,
                        env={"DISTSERVE_DTYPE": "float32"}, log_dir=str(tmp_path_factory.mktemp("fuzz-logs")),
                        prefill_args=PREFILL_TEST_ARGS, decode_args=DECODE_TEST_ARGS)
-    cluster = Cluster(spec).start()
-    try:
-        wait_for_workers(cluster, 1, 1)
+    with running_cluster(spec, 1, 1) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

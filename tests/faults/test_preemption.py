@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from distserve.launcher import Cluster
-from tests.cluster_helpers import DECODE_TEST_ARGS, assert_clean, wait_for_workers
+from tests.cluster_helpers import DECODE_TEST_ARGS, assert_clean, running_cluster
 from tests.faults.conftest import faults_spec
 from tests.faults.test_migration import LONG, REQUESTS, _router_retries, _run_all
 
@@ -23,12 +22,8 @@ SMALL_CACHE_ARGS = DECODE_TEST_ARGS + ["--kv-cache-mb", "1", "--reserve-ahead-to
 def small_cache_cluster(tiny_model_path, tmp_path_factory):
     spec = faults_spec(tiny_model_path, str(tmp_path_factory.mktemp("preemption-logs")), num_prefill=1,
                        num_decode=1, gateway_port=None, decode_args=SMALL_CACHE_ARGS)
-    cluster = Cluster(spec).start()
-    try:
-        wait_for_workers(cluster, 1, 1)
+    with running_cluster(spec, 1, 1) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_a_full_decode_cache_preempts_the_younger_sequence_which_finishes_with_identical_output(

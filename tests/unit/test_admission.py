@@ -8,11 +8,10 @@ import time
 
 import pytest
 
-from distserve.engine.decode_engine import DecodeEngine, NoCapacity
-from distserve.engine.decode_scheduler import DecodeScheduler
-from distserve.engine.kv_cache import BlockAllocator
+from distserve.engine.decode_engine import NoCapacity
 from distserve.engine.prefill_batcher import PrefillBatcher, QueueFull, QueueTimeout
 from distserve.registry import WorkerRecord
+from tests.builders import engine_with_blocks
 from tests.unit.test_picker import decode, picker_with
 from tests.unit.test_prefill_batcher import EOS, GREEDY, FakeRunner, cancel_all, prompt
 
@@ -59,11 +58,6 @@ async def test_a_prompt_waiting_past_the_queue_deadline_fails_and_a_started_one_
         await waiting
     assert not started.done()
     await cancel_all([started])
-
-
-def engine_with_blocks(num_blocks: int) -> DecodeEngine:
-    scheduler = DecodeScheduler(BlockAllocator(num_blocks), block_size=4, max_running=8, max_context=1024)
-    return DecodeEngine(runner=None, kv_cache=None, scheduler=scheduler, eos_ids=(), max_context=1024)
 
 
 async def test_block_waits_beyond_the_bound_are_refused_at_once():

@@ -7,11 +7,9 @@ import types
 
 import torch
 
-from distserve.engine.kv_cache import BlockAllocator
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import SamplingParams, sample_token
-from distserve.engine.decode_engine import DecodeEngine
-from distserve.engine.decode_scheduler import DecodeScheduler
+from tests.builders import engine_with_blocks
 
 
 def test_tiny_temperature_samples_greedily_instead_of_failing():
@@ -21,11 +19,6 @@ def test_tiny_temperature_samples_greedily_instead_of_failing():
         assert params.is_greedy
         assert sample_token(logits, params, 0, []) == 1
     assert not SamplingParams(temperature=1e-4).is_greedy
-
-
-def engine_with_blocks(num_blocks: int) -> DecodeEngine:
-    scheduler = DecodeScheduler(BlockAllocator(num_blocks), block_size=4, max_running=8, max_context=1024)
-    return DecodeEngine(runner=None, kv_cache=None, scheduler=scheduler, eos_ids=(), max_context=1024)
 
 
 async def test_a_block_wait_wakes_as_soon_as_blocks_are_freed_outside_the_engine():
