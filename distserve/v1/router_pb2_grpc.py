@@ -40,6 +40,16 @@ class RouterServiceStub:
                 request_serializer=distserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=distserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/distserve.v1.RouterService/Tokenize',
+                request_serializer=distserve_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=distserve_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/distserve.v1.RouterService/Detokenize',
+                request_serializer=distserve_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=distserve_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -52,6 +62,19 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The model's tokenizer, as the router applies it to text prompts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +82,16 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=distserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=distserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=distserve_dot_v1_dot_router__pb2.TokenizeRequest.FromString,
+                    response_serializer=distserve_dot_v1_dot_router__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=distserve_dot_v1_dot_router__pb2.DetokenizeRequest.FromString,
+                    response_serializer=distserve_dot_v1_dot_router__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +122,60 @@ class RouterService:
             '/distserve.v1.RouterService/Generate',
             distserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             distserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distserve.v1.RouterService/Tokenize',
+            distserve_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
+            distserve_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distserve.v1.RouterService/Detokenize',
+            distserve_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
+            distserve_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
