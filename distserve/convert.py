@@ -5,8 +5,14 @@ Servers call these at their edge so schedulers and engines never see protobuf.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from distserve.engine.logprobs import TokenLogprobs
 from distserve.engine.sampling import FinishReason, SamplingParams
 from distserve.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from distserve.engine.structured import StructuredSpec
 
 _FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -49,7 +55,51 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=optional("presence_penalty"),
         frequency_penalty=optional("frequency_penalty"),
         min_p=optional("min_p"),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        structured=structured_from_proto(msg.structured_output),
     )
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredSpec | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    from distserve.engine.structured import StructuredSpec  # xgrammar loads only for requests that use it
+    if kind == "choice":
+        return StructuredSpec("choice", tuple(msg.choice.values))
+    if kind == "json_object":
+        return StructuredSpec("json_object") if msg.json_object else None
+    return StructuredSpec(kind, getattr(msg, kind))
+
+
+def structured_to_proto(spec: StructuredSpec | None) -> common_pb2.StructuredOutput:
+    msg = common_pb2.StructuredOutput()
+    if spec is None:
+        return msg
+    if spec.kind == "choice":
+        msg.choice.values.extend(spec.value)
+    elif spec.kind == "json_object":
+        msg.json_object = True
+    else:
+        setattr(msg, spec.kind, spec.value)
+    return msg
+
+
+def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+                                    top_token_ids=entry.top_token_ids, top_logprobs=entry.top_logprobs)
+
+
+def first_logprobs_fields(result) -> dict:
+    """A PrefillResult's logprobs as message fields: {"logprobs": [first token's], "prompt_logprobs": [...]},
+    each present only when the request asked for it."""
+    fields = {}
+    if result.first_token_logprobs is not None:
+        fields["logprobs"] = [logprobs_to_proto(result.first_token_logprobs)]
+    if result.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = [logprobs_to_proto(e) for e in result.prompt_logprobs]
+    return fields
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -69,4 +119,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
+    if params.structured is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(params.structured))
     return msg

@@ -10,7 +10,8 @@ import torch
 
 from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
-from distserve.engine.kv_cache import BlockAllocator
+from distserve.engine.kv_cache import BlockAllocator, PagedKvCache, blocks_needed
+from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import SamplingParams
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -109,3 +110,20 @@ def engine_with_blocks(num_blocks: int) -> DecodeEngine:
     """A decode engine with no model: enough to exercise block reservation and admission."""
     scheduler = DecodeScheduler(BlockAllocator(num_blocks), block_size=4, max_running=8, max_context=1024)
     return DecodeEngine(runner=None, kv_cache=None, scheduler=scheduler, eos_ids=(), max_context=1024)
+
+
+def engine_with_runner(runner: ModelRunner, token_lists: list[list[int]], params: list[SamplingParams],
+                       block_size: int = 4, num_blocks: int = 64) -> tuple[DecodeEngine, list[Sequence]]:
+    """A decode engine over a real runner, and one sequence per token list, ready for a step: the KV of
+    all but each list's last token is in the cache (prefilled), the last one is the token to feed."""
+    a = runner.model.args
+    cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, num_blocks, block_size, runner.model.dtype, "cpu")
+    scheduler = DecodeScheduler(cache.allocator, block_size=block_size, max_running=8, max_context=1024)
+    engine = DecodeEngine(runner, cache, scheduler, eos_ids=(), max_context=1024)
+    _, kvs = runner.prefill([tokens[:-1] for tokens in token_lists])
+    seqs = []
+    for i, (tokens, kv, seq_params) in enumerate(zip(token_lists, kvs, params)):
+        table = cache.allocator.allocate(blocks_needed(len(tokens) + 8, block_size))
+        cache.write_prompt(table, kv)
+        seqs.append(Sequence(f"r{i}", list(tokens), len(tokens) - 1, seq_params, table, asyncio.Queue()))
+    return engine, seqs

@@ -55,7 +55,7 @@ class ColocatedEngine:
             if chunks:
                 self.prefill.begin(chunks)
             try:
-                results, tokens = await asyncio.to_thread(self._step, chunks, decoding)
+                results, sampled = await asyncio.to_thread(self._step, chunks, decoding)
             except Exception as exc:  # a failed step fails its requests, not the worker
                 self.prefill.fail(chunks, exc)
                 if decoding:
@@ -64,7 +64,7 @@ class ColocatedEngine:
             self.num_steps += 1
             self.prefill.deliver(chunks, results)
             if decoding:
-                self.decode.postprocess(decoding, tokens)
+                self.decode.postprocess(decoding, sampled)
 
     def _step(self, chunks, decoding: list[Sequence]):
         """The fused forward, then first tokens for finishing prompts and next tokens for decoding ones."""
@@ -73,5 +73,5 @@ class ColocatedEngine:
         work = self.decode.work(decoding) if decoding else None
         prompt_logits, decode_logits = self.decode.runner.step(works, work)
         results = self.prefill.finish(chunks, prompt_logits)
-        tokens = self.decode.sample(decoding, decode_logits) if decoding else []
-        return results, tokens
+        sampled = self.decode.sample(decoding, decode_logits) if decoding else ([], [])
+        return results, sampled

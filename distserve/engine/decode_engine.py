@@ -13,6 +13,7 @@ import time
 import torch
 
 from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.logprobs import TokenLogprobs, rows_logprobs
 from distserve.engine.model_runner import DecodeWork, ModelRunner
 from distserve.engine.sampling import banned_token_ids, finish_reason_for, sample_token
 from distserve.engine.decode_scheduler import DecodeScheduler
@@ -39,6 +40,10 @@ class StepStats:
             log.info("decode steps=%d mean_batch=%.1f mean_step_ms=%.2f (in the step thread %.2f)", self.num_steps,
                      self.num_sequences / self.num_steps, self.wall_s / self.num_steps * 1e3,
                      self.compute_s / self.num_steps * 1e3)
+
+
+# A step's result: a token (or that sequence's error) per sequence, and logprobs where asked for.
+Sampled = tuple[list["int | Exception"], list["TokenLogprobs | None"]]
 
 
 class NoCapacity(RuntimeError):
@@ -110,13 +115,13 @@ class DecodeEngine:
             if batch:
                 try:
                     started = time.perf_counter()
-                    tokens = await asyncio.to_thread(self._step, batch)
+                    sampled = await asyncio.to_thread(self._step, batch)
                     self.step_stats.add(len(batch), time.perf_counter() - started, self._step_compute_s)
                 except Exception as exc:  # a failed step ends its batch's requests, not the worker
                     self.fail(batch, exc)
-                    tokens = None
-                if tokens is not None:
-                    self.postprocess(batch, tokens)
+                    sampled = None
+                if sampled is not None:
+                    self.postprocess(batch, sampled)
             if not self.scheduler.has_work():
                 self._wakeup.clear()
 
@@ -135,7 +140,7 @@ class DecodeEngine:
             seq.is_aborted = True
             seq.outputs.put_nowait(exc)
 
-    def _step(self, batch: list[Sequence]) -> list[int | Exception]:
+    def _step(self, batch: list[Sequence]) -> "Sampled":
         """One forward for the batch, then a token per sequence (or that sequence's sampling error)."""
         started = time.perf_counter()
         try:
@@ -143,7 +148,7 @@ class DecodeEngine:
         finally:
             self._step_compute_s = time.perf_counter() - started
 
-    def _forward_and_sample(self, batch: list[Sequence]) -> list[int | Exception]:
+    def _forward_and_sample(self, batch: list[Sequence]) -> "Sampled":
         work = self.work(batch)
         return self.sample(batch, self.runner.decode(work.kv_cache, work.tables, work.context_lens, work.input_ids))
 
@@ -152,8 +157,19 @@ class DecodeEngine:
         return DecodeWork(self.kv_cache, [s.block_table for s in batch], [s.context_len for s in batch],
                           [s.tokens[-1] for s in batch])
 
-    def sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
-        """A token per sequence from logits [B, V] (or that sequence's sampling error)."""
+    def sample(self, batch: list[Sequence], logits: torch.Tensor) -> "Sampled":
+        """A token per sequence from logits [B, V] (or that sequence's sampling error), and the
+        logprobs of the sequences that asked for them (raw logits: see distserve.engine.logprobs)."""
+        wants_logprobs = [b for b, seq in enumerate(batch) if seq.params.logprobs is not None]
+        raw = logits[wants_logprobs] if wants_logprobs else None  # [N, V], a copy taken before any mask
+        tokens = self._sample_tokens(batch, logits)
+        logprobs: list[TokenLogprobs | None] = [None] * len(batch)
+        for row, b in enumerate(wants_logprobs):  # a row each: sequences ask for their own number of alternatives
+            if not isinstance(tokens[b], Exception):
+                logprobs[b] = rows_logprobs(raw[row:row + 1], [tokens[b]], batch[b].params.logprobs)[0]
+        return tokens, logprobs
+
+    def _sample_tokens(self, batch: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
         greedy = logits.argmax(-1).tolist()  # one batched argmax serves every plain greedy sequence
         tokens: list[int | Exception] = []
         for b, seq in enumerate(batch):
@@ -170,8 +186,9 @@ class DecodeEngine:
                 tokens.append(exc)
         return tokens
 
-    def postprocess(self, batch: list[Sequence], tokens: list[int | Exception]) -> None:
-        for seq, token in zip(batch, tokens):
+    def postprocess(self, batch: list[Sequence], sampled: "Sampled") -> None:
+        tokens, logprobs = sampled
+        for seq, token, token_logprobs in zip(batch, tokens, logprobs):
             if seq.is_aborted:
                 continue
             if isinstance(token, Exception):
@@ -183,6 +200,6 @@ class DecodeEngine:
             seq.finish_reason = finish_reason_for(
                 token, seq.num_generated, len(seq.tokens), seq.params, self._eos_ids, self._max_context
             )
-            seq.outputs.put_nowait(([token], seq.finish_reason))
+            seq.outputs.put_nowait(([token], seq.finish_reason, [token_logprobs] if token_logprobs else []))
         for seq in self.scheduler.retire_finished():
             seq.finished_at = time.monotonic()

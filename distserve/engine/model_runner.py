@@ -22,6 +22,8 @@ class PrefillWork:
     position: int  # position of token_ids[0] in the prompt
     kv: torch.Tensor  # the prompt's KV buffer [L, 2, T_prompt, Hkv, D]
     is_last: bool  # the chunk ends the prompt: its last token's logits are wanted
+    wants_all_logits: bool = False  # logits at every position of the chunk too (prompt logprobs)
+    all_logits: torch.Tensor | None = None  # output: [len(token_ids), V] float32 CPU, when wanted
 
 
 @dataclasses.dataclass
@@ -68,17 +70,21 @@ class ModelRunner:
         """One fused forward over prompt chunks and decoding sequences (a colocated worker's step).
 
         Returns float32 CPU logits: [num works with is_last, V] in their order, and [B, V] for the
-        decoding sequences (None without them).
+        decoding sequences (None without them). Works with wants_all_logits get all_logits set.
         """
-        ids, positions, chunks, rows = [], [], [], []
+        ids, positions, chunks, last_rows, every_row = [], [], [], [], []
         for work in works:
             start, n = len(ids), len(work.token_ids)
             ids += work.token_ids
             positions += range(work.position, work.position + n)
             chunks.append(PrefillChunk(start, n, work.position, work.kv))
             if work.is_last:
-                rows.append(start + n - 1)
+                last_rows.append(start + n - 1)
+            if work.wants_all_logits:
+                every_row += range(start, start + n)
         num_prompt_rows = len(ids)
+        # logits rows: the last rows, then every row of the works that want them all, then decode rows
+        rows = last_rows + every_row
         if decode is not None:
             rows += range(len(ids), len(ids) + len(decode.input_ids))
             ids += decode.input_ids
@@ -86,8 +92,12 @@ class ModelRunner:
         positions_t = torch.tensor(positions, device=self.device)
         paged = None if decode is None else self._paged_step(decode, positions_t[num_prompt_rows:])
         logits = self.model.forward(torch.tensor(ids, device=self.device), positions_t, chunks, paged, rows).cpu()
-        num_last = len(rows) - (len(decode.input_ids) if decode is not None else 0)
-        return logits[:num_last], (logits[num_last:] if decode is not None else None)
+        offset = len(last_rows)
+        for work in works:
+            if work.wants_all_logits:
+                work.all_logits = logits[offset:offset + len(work.token_ids)]
+                offset += len(work.token_ids)
+        return logits[:len(last_rows)], (logits[offset:] if decode is not None else None)
 
     def _paged_step(self, decode: DecodeWork, positions: torch.Tensor) -> PagedStep:
         """positions: [B], the decoding rows' positions (their context lengths), already on the device."""

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from distserve.engine.logprobs import TokenLogprobs, rows_logprobs, token_logprobs
 from distserve.engine.model_runner import ModelRunner, PrefillWork
 from distserve.engine.sampling import (
     FinishReason,
@@ -67,6 +68,8 @@ class PrefillResult:
     batch_size: int  # prompts in the last chunk's forward
     batch_tokens: int  # packed tokens in the last chunk's forward
     num_chunks: int
+    first_token_logprobs: TokenLogprobs | None = None  # when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs] | None = None  # positions 1.. of the prompt, when asked for
 
 
 @dataclasses.dataclass
@@ -83,6 +86,7 @@ class _Pending:
     started_at: float = 0.0
     started_ns: int = 0
     next_token: int | None = None  # known already (a migrated request): returned instead of sampling
+    prompt_logprobs: list[TokenLogprobs] | None = None  # grows chunk by chunk when params.prompt_logprobs is set
 
     @property
     def num_remaining(self) -> int:
@@ -96,6 +100,7 @@ class _Slice:
     pending: _Pending
     num_tokens: int
     is_last: bool = False  # the slice ends its prompt; fixed at scheduling, before num_computed moves
+    work: PrefillWork | None = None  # the runner's view, set by PrefillBatcher.works
 
     def __post_init__(self) -> None:
         self.is_last = self.num_tokens == self.pending.num_remaining
@@ -234,7 +239,9 @@ class PrefillBatcher:
                 pending.kv = self._runner.new_kv_buffer(len(pending.prompt))
                 pending.started_at, pending.started_ns = started, start_ns
             begin = pending.num_computed
-            works.append(PrefillWork(pending.prompt[begin:begin + piece.num_tokens], begin, pending.kv, piece.is_last))
+            piece.work = PrefillWork(pending.prompt[begin:begin + piece.num_tokens], begin, pending.kv, piece.is_last,
+                                     wants_all_logits=pending.params.prompt_logprobs is not None)
+            works.append(piece.work)
         return works
 
     def finish(self, batch: list[_Slice], logits: torch.Tensor) -> list[PrefillResult | Exception]:
@@ -243,11 +250,22 @@ class PrefillBatcher:
         finishing = [s for s in batch if s.is_last]
         ended, end_ns = time.monotonic(), time.time_ns()
         for piece in batch:
+            if piece.work is not None and piece.work.all_logits is not None:
+                self._add_prompt_logprobs(piece)
             piece.pending.num_computed += piece.num_tokens
             piece.pending.num_chunks += 1
         num_tokens = sum(s.num_tokens for s in batch)
         return [self._result(s.pending, logits[row], ended, end_ns, len(batch), num_tokens)
                 for row, s in enumerate(finishing)]
+
+    @staticmethod
+    def _add_prompt_logprobs(piece: _Slice) -> None:
+        """Logprobs of the prompt tokens this chunk's logits predict: row j (position begin + j) predicts
+        the token at begin + j + 1; the prompt's last row predicts the first completion token instead."""
+        pending, begin = piece.pending, piece.pending.num_computed
+        targets = pending.prompt[begin + 1:begin + piece.num_tokens + 1]
+        entries = rows_logprobs(piece.work.all_logits[:len(targets)], targets, pending.params.prompt_logprobs)
+        pending.prompt_logprobs = (pending.prompt_logprobs or []) + entries
 
     def _result(self, pending: _Pending, logits: torch.Tensor, ended: float, end_ns: int, batch_size: int,
                 batch_tokens: int) -> PrefillResult | Exception:
@@ -260,7 +278,11 @@ class PrefillBatcher:
         except Exception as exc:  # e.g. non-finite probabilities: fails this request only
             return exc
         finish = finish_reason_for(token, 1, len(pending.prompt) + 1, params, self._eos_ids, self._max_context)
-        return self._packaged(pending, token, finish, ended, end_ns, batch_size, batch_tokens)
+        result = self._packaged(pending, token, finish, ended, end_ns, batch_size, batch_tokens)
+        if params.logprobs is not None:
+            result.first_token_logprobs = token_logprobs(logits, token, params.logprobs)
+        result.prompt_logprobs = pending.prompt_logprobs
+        return result
 
     @staticmethod
     def _packaged(pending: _Pending, token: int, finish: FinishReason | None, ended: float, end_ns: int,

@@ -15,8 +15,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from distserve.engine.structured import StructuredSpec
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -45,6 +49,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2]; subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # [-2, 2]; subtracted per occurrence in the output
     min_p: float = 0.0  # [0, 1]; drop tokens less likely than min_p * the top token's probability
+    logprobs: int | None = None  # return each completion token's logprob and this many alternatives
+    prompt_logprobs: int | None = None  # return the prompt tokens' logprobs and this many alternatives
+    structured: StructuredSpec | None = None  # a grammar the output must follow
 
     @property
     def has_penalties(self) -> bool:

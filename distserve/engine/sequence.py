@@ -7,6 +7,7 @@ import dataclasses
 import time
 from typing import AsyncIterator
 
+from distserve.engine.logprobs import TokenLogprobs
 from distserve.engine.sampling import FinishReason, SamplingParams
 
 
@@ -17,7 +18,7 @@ class Sequence:
     prompt_len: int
     params: SamplingParams
     block_table: list[int]
-    outputs: asyncio.Queue  # (token_ids, finish_reason | None) tuples for the stream
+    outputs: asyncio.Queue  # (token_ids, finish_reason | None, logprobs) tuples for the stream, or an error
     finish_reason: FinishReason | None = None
     is_aborted: bool = False
     loaded_at: float = dataclasses.field(default_factory=time.monotonic)
@@ -34,20 +35,21 @@ class Sequence:
         return len(self.tokens) - 1
 
 
-async def stream_outputs(seq: Sequence) -> AsyncIterator[tuple[list[int], FinishReason | None]]:
-    """The sequence's tokens as the engine posts them, coalescing whatever queued up meanwhile into
-    one message; ends after the message carrying the finish reason. Raises the engine's error for
-    this sequence (e.g. a failed step) if one is posted."""
+async def stream_outputs(seq: Sequence) -> AsyncIterator[tuple[list[int], FinishReason | None, list[TokenLogprobs]]]:
+    """The sequence's tokens (and their logprobs, when asked for: parallel, else empty) as the engine
+    posts them, coalescing whatever queued up meanwhile into one message; ends after the message
+    carrying the finish reason. Raises the engine's error for this sequence (e.g. a failed step)
+    if one is posted."""
     while True:
         item = await seq.outputs.get()
         if isinstance(item, Exception):
             raise item
-        token_ids, finish = item
+        token_ids, finish, logprobs = item
         while finish is None and not seq.outputs.empty():
             more = seq.outputs.get_nowait()
             if isinstance(more, Exception):
                 raise more
-            token_ids, finish = token_ids + more[0], more[1]
-        yield token_ids, finish
+            token_ids, finish, logprobs = token_ids + more[0], more[1], logprobs + more[2]
+        yield token_ids, finish, logprobs
         if finish is not None:
             return

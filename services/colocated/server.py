@@ -14,7 +14,7 @@ import time
 import grpc
 
 from distserve import tracing
-from distserve.convert import finish_to_proto, sampling_from_proto
+from distserve.convert import finish_to_proto, first_logprobs_fields, logprobs_to_proto, sampling_from_proto
 from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.decode_engine import NoCapacity
 from distserve.engine.model_spec import ModelSpec, prompt_error
@@ -52,7 +52,8 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
                 self._record_prefill(rid, len(prompt), result)
                 yield colocated_pb2.PrefillAndDecodeResponse(
                     token_ids=[result.first_token], finish_reason=finish_to_proto(result.finish_reason),
-                    timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s))
+                    timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s),
+                    **first_logprobs_fields(result))
                 if result.finish_reason is not None:
                     return
                 seq.tokens.append(result.first_token)
@@ -76,9 +77,10 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def _stream(self, seq: Sequence):
-        async for token_ids, finish in stream_outputs(seq):
+        async for token_ids, finish, logprobs in stream_outputs(seq):
             response = colocated_pb2.PrefillAndDecodeResponse(token_ids=token_ids,
-                                                              finish_reason=finish_to_proto(finish))
+                                                              finish_reason=finish_to_proto(finish),
+                                                              logprobs=[logprobs_to_proto(e) for e in logprobs])
             self._metrics.generation_tokens.inc(len(token_ids))
             if finish is not None:
                 response.timings.CopyFrom(common_pb2.Timings(decode_queue_s=seq.started_at - seq.loaded_at,
@@ -93,6 +95,7 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
         self._metrics.queue_time.observe(result.queue_s)
         self._metrics.prefill_time.observe(result.prefill_s)
         self._metrics.prompt_tokens.inc(num_tokens)
+        self._metrics.batch_tokens.observe(result.batch_tokens)
         log.info("prefill request_id=%s tokens=%d batch=%d queue_s=%.4f prefill_s=%.4f", rid, num_tokens,
                  result.batch_size, result.queue_s, result.prefill_s)
 

@@ -11,7 +11,7 @@ import torch
 
 from distserve import tracing
 from distserve.broker_client import BrokerClient
-from distserve.convert import finish_to_proto, sampling_from_proto
+from distserve.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
 from distserve.engine.model_spec import DTYPES, ModelSpec
 from distserve.metrics import DecodeMetrics
 from distserve.transfer.connector import KvConsumer, TransferError
@@ -162,8 +162,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return transfer_s
 
     async def _stream(self, seq: Sequence, transfer_s: float):
-        async for token_ids, finish in stream_outputs(seq):
-            response = decode_pb2.DecodeResponse(token_ids=token_ids, finish_reason=finish_to_proto(finish))
+        async for token_ids, finish, logprobs in stream_outputs(seq):
+            response = decode_pb2.DecodeResponse(token_ids=token_ids, finish_reason=finish_to_proto(finish),
+                                                 logprobs=[logprobs_to_proto(e) for e in logprobs])
             self._metrics.generation_tokens.inc(len(token_ids))
             if finish is not None:
                 response.timings.CopyFrom(common_pb2.Timings(

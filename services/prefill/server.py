@@ -11,7 +11,7 @@ import grpc
 
 from distserve import tracing
 from distserve.broker_client import BrokerClient
-from distserve.convert import finish_to_proto, sampling_from_proto
+from distserve.convert import finish_to_proto, first_logprobs_fields, sampling_from_proto
 from distserve.engine.sampling import SamplingParams
 from distserve.engine.model_spec import DTYPES, ModelSpec, prompt_error
 from distserve.metrics import PrefillMetrics
@@ -48,6 +48,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 "distserve.worker": self._config.resolved_worker_id}):
             prompt, params, next_token = await self._validated(request, context)
             await self._refuse_if_held_kv_full(len(prompt), context)
+            tracing.current_span().set_attributes({  # what it queues behind, for `distserve explain`
+                "distserve.prefill.queue.prompts_ahead": self._batcher.num_waiting + self._batcher.num_running,
+                "distserve.prefill.queue.tokens_ahead": self._batcher.outstanding_tokens})
             try:
                 result = await self._batcher.submit(prompt, params, next_token)
             except QueueFull as exc:
@@ -58,6 +61,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             response = prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=result.first_token, finish_reason=finish_to_proto(result.finish_reason),
                 timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s))
+            fields = first_logprobs_fields(result)
+            if "logprobs" in fields:
+                response.first_token_logprobs.CopyFrom(fields["logprobs"][0])
+            response.prompt_logprobs.extend(fields.get("prompt_logprobs", []))
             if result.finish_reason is not None:
                 return response
             response.kv_handle_id = request.kv_handle_id or uuid.uuid4().hex
@@ -93,6 +100,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._metrics.queue_time.observe(result.queue_s)
         self._metrics.prefill_time.observe(result.prefill_s)
         self._metrics.prompt_tokens.inc(num_tokens)
+        self._metrics.batch_tokens.observe(result.batch_tokens)
         log.info("prefill request_id=%s tokens=%d batch=%d queue_s=%.4f prefill_s=%.4f", rid, num_tokens,
                  result.batch_size, result.queue_s, result.prefill_s)
 

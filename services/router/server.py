@@ -46,6 +46,7 @@ class _Request:
     outputs: list[int] = dataclasses.field(default_factory=list)  # completion tokens streamed so far
     num_retries: int = 0
     timings: common_pb2.Timings = dataclasses.field(default_factory=common_pb2.Timings)
+    echo_text: str | None = None  # the prompt text to send back on the first message (echo)
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -90,9 +91,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         trace.get_current_span().set_attributes({
             "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p, "gen_ai.request.seed": params.seed or 0,
-            "gen_ai.usage.input_tokens": len(prompt)})
+            "gen_ai.usage.input_tokens": len(prompt), **({"user.id": request.user} if request.user else {})})
         self._metrics.prompt_tokens.inc(len(prompt))
-        return _Request(request_id, prompt, params, TextStream(self._tokenizer, params.stop), time.monotonic())
+        req = _Request(request_id, prompt, params, TextStream(self._tokenizer, params.stop), time.monotonic())
+        if request.echo:
+            req.echo_text = (request.text if request.WhichOneof("prompt") == "text"
+                             else self._tokenizer.decode(prompt))
+        return req
 
     def _kv_tokens(self, req: _Request) -> int:
         """Tokens of KV the request may need: prompt + max_tokens, capped at the context."""
@@ -139,9 +144,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if is_first:
                     timings.first_token_s = time.monotonic() - req.started
                     self._metrics.ttft.observe(timings.first_token_s)
-                message = self._chunk(req, list(response.token_ids), finish)
+                message = self._chunk(req, list(response.token_ids), finish, response.logprobs)
                 if is_first:
                     message.prefill_worker = message.decode_worker = worker.worker_id
+                    self._add_prompt_fields(req, message, response.prompt_logprobs)
                 if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     yield message
                     if finish is not None:
@@ -231,9 +237,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         req.timings.MergeFrom(first.timings)
         req.timings.first_token_s = time.monotonic() - req.started
         self._metrics.ttft.observe(req.timings.first_token_s)
-        message = self._chunk(req, [first.first_token_id], finish_from_proto(first.finish_reason))
+        logprobs = [first.first_token_logprobs] if first.HasField("first_token_logprobs") else []
+        message = self._chunk(req, [first.first_token_id], finish_from_proto(first.finish_reason), logprobs)
         message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
+        self._add_prompt_fields(req, message, first.prompt_logprobs)
         return message
+
+    def _add_prompt_fields(self, req: _Request, message: router_pb2.GenerateResponse, prompt_logprobs) -> None:
+        """The first message's prompt extras: echo and prompt logprobs."""
+        message.prompt_logprobs.extend(prompt_logprobs)
+        if req.echo_text is not None:
+            message.prompt_text = req.echo_text
+            message.prompt_token_ids.extend(req.prompt)
 
     async def _replace_workers(self, req: _Request, failure: "StageFailed",
                                context) -> tuple[WorkerRecord, WorkerRecord]:
@@ -273,8 +288,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def _prefill(self, req: _Request, worker: WorkerRecord, handle_id: str,
                        secret: str) -> prefill_pb2.PrefillResponse:
         stub = prefill_pb2_grpc.PrefillServiceStub(await self._connected(worker, "prefill"))
+        # a migrated request's prompt logprobs were sent already: not computed again
+        params = dataclasses.replace(req.params, prompt_logprobs=None) if req.outputs else req.params
         call = prefill_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                          sampling=sampling_to_proto(req.params), kv_handle_id=handle_id,
+                                          sampling=sampling_to_proto(params), kv_handle_id=handle_id,
                                           output_token_ids=req.outputs, kv_secret=secret)
         try:
             return await stub.Prefill(call, timeout=self._config.prefill_timeout_s)
@@ -294,7 +311,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 finish = finish_from_proto(response.finish_reason)
                 if finish is not None:
                     req.timings.MergeFrom(response.timings)
-                message = self._chunk(req, list(response.token_ids), finish)
+                message = self._chunk(req, list(response.token_ids), finish, response.logprobs)
                 yield message
                 if finish is not None:
                     async for _ in call:  # the worker's stream ends right after its last message;
@@ -316,7 +333,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise StageFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no message for {self._config.decode_idle_timeout_s:g}s", worker, "decode") from None
 
-    def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None) -> router_pb2.GenerateResponse:
+    def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None,
+               logprobs=()) -> router_pb2.GenerateResponse:
+        """The client's message for tokens from a worker (logprobs: parallel to them, or empty); tokens
+        after a stop string are dropped, with their logprobs."""
         now = time.monotonic()
         if req.num_completion and token_ids:
             for _ in token_ids:
@@ -336,7 +356,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if finish is not None:
             text += req.text.flush()
         message = router_pb2.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text,
-                                              finish_reason=finish_to_proto(finish))
+                                              finish_reason=finish_to_proto(finish),
+                                              logprobs=list(logprobs)[:len(token_ids)])
         if finish is not None:
             self._finish(req, finish, message)
         return message

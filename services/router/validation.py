@@ -13,6 +13,7 @@ import asyncio
 import math
 
 from distserve.convert import sampling_from_proto
+from distserve.engine.logprobs import MAX_LOGPROBS
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import SamplingParams
 
@@ -20,6 +21,8 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM sets no limit
 MAX_STOP_STRING_BYTES = 1024  # UTF-8 bytes of one stop string (text is held back while it may match one)
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_LEN = 128
+MAX_USER_LEN = 256
+MAX_COMPLETIONS = 16  # n and best_of
 # A prompt text longer than max_context * this many characters cannot fit the context (no tokenizer has
 # tokens that long), so it is refused before tokenizing it.
 MAX_CHARS_PER_TOKEN = 64
@@ -64,6 +67,9 @@ def validate_sampling(params: SamplingParams, prompt_len: int, spec: ModelSpec) 
         check(math.isfinite(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
     check(0 <= params.min_tokens <= params.max_tokens, "min_tokens",
           f"must be in [0, max_tokens], got {params.min_tokens}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        check(value is None or 0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
     validate_stops(params, spec)
 
 
@@ -107,6 +113,10 @@ def _validate_before_tokenizing(request, spec: ModelSpec) -> SamplingParams:
     check(len(request.request_id) <= MAX_REQUEST_ID_LEN and request.request_id.isascii()
           and request.request_id.isprintable(), "request_id",
           f"must be printable ASCII and at most {MAX_REQUEST_ID_LEN} characters")
+    check(len(request.user) <= MAX_USER_LEN, "user", f"must be at most {MAX_USER_LEN} characters")
+    check(0 <= request.n <= MAX_COMPLETIONS, "n", f"must be in [1, {MAX_COMPLETIONS}], got {request.n}")
+    check(request.best_of == 0 or max(request.n, 1) <= request.best_of <= MAX_COMPLETIONS, "best_of",
+          f"must be in [n, {MAX_COMPLETIONS}], got {request.best_of}")
     which = request.WhichOneof("prompt")
     check(which is not None, "prompt", "text or token_ids is required")
     if which == "text":

@@ -62,7 +62,7 @@ async def serve_one(engine: ColocatedEngine, prompt: list[int], max_tokens: int)
     seq = Sequence("r", prompt + [result.first_token], len(prompt), params, blocks, asyncio.Queue())
     engine.hand_off(result, seq)
     tokens = [result.first_token]
-    async for token_ids, _ in stream_outputs(seq):
+    async for token_ids, _, _ in stream_outputs(seq):
         tokens += token_ids
     return tokens
 
