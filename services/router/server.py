@@ -24,6 +24,7 @@ from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_p
 from services.router.config import RouterConfig
 from services.router.picker import WorkerPicker
 from services.router.stage_failure import StageFailed
+from services.router import tokenizer_service
 from services.router.text_stream import TextStream
 from services.router.validation import InvalidRequest, validate_request_async
 
@@ -386,3 +387,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             code = grpc.StatusCode.UNAVAILABLE
         self._metrics.failures.labels(code=code.name).inc()
         await context.abort(code, f"{failure.stage} worker {worker.worker_id}: {failure.details}")
+
+    async def Tokenize(self, request, context):
+        """The router's tokenizer on a text, as it tokenizes text prompts; INVALID_ARGUMENT names a bad field."""
+        try:
+            return await tokenizer_service.tokenize_async(request, self._tokenizer, self._spec)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def Detokenize(self, request, context):
+        """The text of token ids; INVALID_ARGUMENT names a bad field (an id outside the vocabulary)."""
+        try:
+            return await tokenizer_service.detokenize_async(request, self._tokenizer, self._spec)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
