@@ -16,6 +16,8 @@ started again on fresh ports (see distserve.ports). With `supervise`, a
 distserve.supervisor.Supervisor restarts any child that dies, on the same
 ports. With `state_file`, the launcher keeps a JSON description of its
 children there (read by `distserve status`; see distserve.cluster_state).
+The launcher serves its own /metrics (restarts and state of each child,
+distserve.metrics.LauncherMetrics) on the metrics base port + 2.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from distserve import cluster_state
 from distserve.config import ConfigError
 from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
+from distserve.metrics import LauncherMetrics
 from distserve.cpus import format_cpu_list, parse_cpu_list, split_cores
 from distserve.ports import free_port, is_bind_failure
 from distserve.supervisor import RestartPolicy, Supervisor
@@ -97,7 +100,8 @@ class ClusterSpec:
     decode_base_port: int = 50080
     colocated_base_port: int = 50090
     redis_port: int = 6390
-    metrics_base_port: int = 9100  # router +0, kvbroker +1, prefill +10+i, decode +20+i, colocated +30+i; 0: free
+    metrics_base_port: int = 9100  # router +0, kvbroker +1, launcher +2, prefill +10+i, decode +20+i,
+    # colocated +30+i; 0: free
     gateway_port: int | None = 8000  # None: no HTTP gateway
     gateway_args: list[str] = dataclasses.field(default_factory=list)
     redis_url: str = ""  # use this Redis instead of starting one
@@ -170,6 +174,8 @@ class Cluster:
         self.gateway_url = ""
         self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
         self.supervisor: Supervisor | None = None
+        self.metrics = LauncherMetrics(lambda: list(self.processes.values()))
+        self.metrics_url = ""  # the launcher's own Prometheus endpoint, once started
 
     def _port(self, wanted: int, offset: int = 0) -> int:
         return wanted + offset if wanted else free_port()
@@ -178,6 +184,9 @@ class Cluster:
         """Starts every child and waits until each serves; then supervises them when the spec says so."""
         try:
             self._start_all(timeout_s)
+            metrics_port = self._port(self.spec.metrics_base_port, 2)
+            self.metrics.serve(metrics_port)
+            self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         except BaseException:
             self.stop()
             raise
@@ -361,6 +370,7 @@ class Cluster:
         after grace_s. Removes the state file."""
         if self.supervisor is not None:
             self.supervisor.stop()
+        self.metrics.stop()
 
         def phase(names: list[str]) -> None:
             group = [self.processes[n] for n in names]

@@ -1,25 +1,33 @@
 """Prometheus metrics, named as vLLM names them under the `distserve:` prefix, with vLLM's bucket edges.
 
 Each service builds the group it updates and serves them on its own /metrics
-port (`serve_metrics`). Histograms are in seconds.
+port (`serve_metrics`). Histograms are in seconds. The latency histograms also
+have edges at common SLO targets (TTFT 0.2, 0.3, 2 s; inter-token 0.02 s), so that
+SLO attainment (deploy/grafana) is exact: rate(bucket{le=SLO}) / rate(count).
+The launcher (`distserve up`) serves its own group: restarts of the children it
+supervises (LauncherMetrics).
 """
 
 from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from typing import Callable, Iterable, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
 PREFIX = "distserve:"
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.25, 0.3, 0.5, 0.75, 1.0, 2.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0]
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
 TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+BATCH_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
@@ -58,6 +66,9 @@ class PrefillMetrics:
         self.kv_transfer_time = _hist("kv_transfer_seconds", "KV transfer time, sending side", TRANSFER_BUCKETS)
         self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes sent over UCX")
         self.held_bytes = Gauge(PREFIX + "kv_held_bytes", "KV bytes held for decode workers")
+        self.batch_tokens = Histogram(PREFIX + "prefill_batch_tokens", "Packed prompt tokens in the forward that "
+                                      "finished a request's prefill (one sample per request)",
+                                      buckets=BATCH_TOKEN_BUCKETS)
 
 
 class DecodeMetrics:
@@ -85,6 +96,9 @@ class ColocatedMetrics:
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
         self.running = Gauge(PREFIX + "num_requests_running", "Sequences decoding")
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Prompts waiting for (more) prefill")
+        self.batch_tokens = Histogram(PREFIX + "prefill_batch_tokens", "Packed prompt tokens in the step that "
+                                      "finished a request's prefill (one sample per request)",
+                                      buckets=BATCH_TOKEN_BUCKETS)
 
 
 class BrokerMetrics:
@@ -97,7 +111,57 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_start_time_seconds: restarts, as the other services
         self.requests = Counter(PREFIX + "http_requests", "HTTP requests answered", ["path", "status"],
                                 registry=self.registry)
         self.duration = Histogram(PREFIX + "http_request_duration_seconds", "HTTP request duration, to the last "
                                   "byte", ["path"], buckets=REQUEST_BUCKETS, registry=self.registry)
+
+
+class Child(Protocol):
+    """What LauncherMetrics reads of a supervised child (distserve.launcher.ManagedProcess)."""
+
+    name: str
+    state: str  # "running" | "restarting" | "failed"
+    restarts: int
+
+
+CHILD_STATES = ("running", "restarting", "failed")
+
+
+class _ChildrenCollector:
+    """Reads restarts and state from the children at each scrape: the supervisor keeps the counts on them."""
+
+    def __init__(self, children: Callable[[], Iterable[Child]]):
+        self._children = children
+
+    def collect(self):
+        restarts = CounterMetricFamily(PREFIX + "service_restarts", "Restarts of a child by the launcher's "
+                                       "supervisor", labels=["service"])
+        state = GaugeMetricFamily(PREFIX + "service_state", "1 for the state a supervised child is in "
+                                  "(failed: a crash loop, left down)", labels=["service", "state"])
+        for child in self._children():
+            restarts.add_metric([child.name], child.restarts)
+            for name in CHILD_STATES:
+                state.add_metric([child.name, name], float(child.state == name))
+        return [restarts, state]
+
+
+class LauncherMetrics:
+    """The launcher's own group, in its own registry (one per Cluster): restarts and state of its children."""
+
+    def __init__(self, children: Callable[[], Iterable[Child]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_ChildrenCollector(children))
+        self._server = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        log.info("launcher metrics on http://%s:%d/metrics", host, port)
+
+    def stop(self) -> None:
+        """Stops serving. Idempotent."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,16 +1,29 @@
-"""The compose file publishes only the gateway and the Jaeger UI; everything else stays on its network."""
+"""The compose file publishes only the gateway and the UIs; everything else stays on its network. Prometheus
+scrapes every service's metrics port, and Grafana is provisioned with it and the dashboard."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
-COMPOSE_FILE = Path(__file__).resolve().parents[2] / "deploy" / "compose" / "docker-compose.yml"
-PUBLISHED = {"gateway": {8000}, "jaeger": {16686}}
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
+PUBLISHED = {"gateway": {8000}, "jaeger": {16686}, "grafana": {3000}}
+# The module each service runs -> (its config class, the config field holding its metrics port).
+METRICS_PORT = {"services.router": ("services.router.config:RouterConfig", "metrics_port"),
+                "services.kvbroker": ("services.kvbroker.config:KvBrokerConfig", "metrics_port"),
+                "services.prefill": ("services.prefill.config:PrefillConfig", "metrics_port"),
+                "services.decode": ("services.decode.config:DecodeConfig", "metrics_port"),
+                "services.colocated": ("services.colocated.config:ColocatedConfig", "metrics_port"),
+                "services.router.gateway": ("services.router.gateway.config:GatewayConfig", "port")}
 
 
 def _docker_compose() -> str:
@@ -24,6 +37,15 @@ def _docker_compose() -> str:
     return found
 
 
+@pytest.fixture(scope="module")
+def services() -> dict:
+    """The services of `docker-compose config` (with the colocated profile): what compose would run."""
+    reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "--profile", "colocated", "config"],
+                           capture_output=True, text=True, timeout=120)
+    assert reply.returncode == 0, reply.stderr
+    return yaml.safe_load(reply.stdout)["services"]
+
+
 def _published_ports(service: dict) -> set[int]:
     """Host ports a service publishes, from `docker-compose config` (short or long syntax)."""
     ports = set()
@@ -35,11 +57,79 @@ def _published_ports(service: dict) -> set[int]:
     return ports
 
 
-def test_compose_publishes_only_the_gateway_and_jaeger_ui():
-    reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "--profile", "colocated", "config"],
-                           capture_output=True, text=True, timeout=120)
-    assert reply.returncode == 0, reply.stderr
-    services = yaml.safe_load(reply.stdout)["services"]
-    assert {"redis", "kvbroker", "router", "prefill", "decode", "colocated", "gateway"} <= set(services)
+def test_compose_publishes_only_the_gateway_and_the_uis(services):
+    assert {"redis", "kvbroker", "router", "prefill", "decode", "colocated", "gateway", "prometheus",
+            "grafana"} <= set(services)
     published = {name: _published_ports(service) for name, service in services.items()}
     assert {name: ports for name, ports in published.items() if ports} == PUBLISHED
+
+
+def _metrics_port(service: dict) -> tuple[str, int] | None:
+    """(module, metrics port) of a distserve service: --metrics-port (or the gateway's --port) in its command,
+    else the environment variable, else the config default; None for a service not run from `services.*`."""
+    argv = service.get("command") or []
+    if argv[:2] == ["sh", "-c"]:
+        argv = shlex.split(argv[2])
+    if "-m" not in argv or argv[argv.index("-m") + 1] not in METRICS_PORT:
+        return None
+    module = argv[argv.index("-m") + 1]
+    path, field = METRICS_PORT[module]
+    module_name, _, class_name = path.partition(":")
+    config = getattr(importlib.import_module(module_name), class_name)
+    flag = "--" + field.replace("_", "-")
+    if flag in argv:
+        return module, int(argv[argv.index(flag) + 1])
+    prefix = "DISTSERVE_" + module.rpartition(".")[2].upper() + "_"
+    env = (service.get("environment") or {}).get(prefix + field.upper())
+    default = next(f.default for f in dataclasses.fields(config) if f.name == field)
+    return module, int(env) if env else default
+
+
+def _scraped(config: dict) -> dict[str, set[str]]:
+    """host:port targets of each job: static targets, and DNS names with their port."""
+    jobs = {}
+    for job in config["scrape_configs"]:
+        targets = {t for static in job.get("static_configs", []) for t in static["targets"]}
+        targets |= {f"{name}:{dns['port']}" for dns in job.get("dns_sd_configs", []) for name in dns["names"]}
+        jobs[job["job_name"]] = targets
+    return jobs
+
+
+def _mounts(service: dict) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts."""
+    mounts = {}
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, dict):
+            source, target = volume.get("source", ""), volume["target"]
+        else:
+            source, target = volume.split(":")[:2]
+        if source.startswith("/"):
+            mounts[target] = Path(source)
+    return mounts
+
+
+def test_prometheus_scrapes_every_service_at_its_metrics_port(services):
+    mounts = _mounts(services["prometheus"])
+    config = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    jobs = _scraped(config)
+    expected = {}
+    for name, service in services.items():
+        found = _metrics_port(service)
+        if found is not None:
+            expected[name] = f"{name}:{found[1]}"
+    assert set(expected) == {"kvbroker", "router", "prefill", "decode", "colocated", "gateway"}
+    assert jobs == {name: {target} for name, target in expected.items()}
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(services):
+    mounts = _mounts(services["grafana"])
+    provisioning = mounts["/etc/grafana/provisioning"]
+    [datasource] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert (datasource["type"], datasource["url"], datasource["uid"]) == ("prometheus", "http://prometheus:9090",
+                                                                           "prometheus")
+    assert "prometheus" in services["grafana"]["depends_on"]
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "distserve.yml").read_text())["providers"]
+    dashboards = mounts[provider["options"]["path"]]
+    assert (dashboards / "distserve.json").is_file()
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == provider["options"]["path"] + "/distserve.json"
