@@ -61,7 +61,8 @@ def test_usage_chunk_has_no_choices():
 @pytest.mark.parametrize("endpoint, kind", [(Endpoint.COMPLETIONS, "text_completion"),
                                             (Endpoint.CHAT, "chat.completion")])
 def test_full_responses(endpoint, kind):
-    body = responses.full_response(meta(endpoint), "hello", "length", USAGE)
+    body = responses.full_response(meta(endpoint), [responses.whole_choice(meta(endpoint), 0, "hello", "length")],
+                                   USAGE)
     assert body["object"] == kind and body["usage"]["total_tokens"] == 8
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length"

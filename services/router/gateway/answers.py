@@ -4,18 +4,22 @@ Streaming waits for the router's first message before sending headers, so
 everything the router rejects up front (bad field, no workers, out of KV
 capacity) is still a plain HTTP error with its status. After that, an error is
 sent in-band as `data: {"error": ...}` followed by `data: [DONE]`.
+
+Router messages carry a completion `index` (n > 1); each index is one OpenAI choice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from aiohttp import web
 
-from distserve.v1 import common_pb2
+from distserve.v1 import common_pb2, router_pb2
 from services.router.gateway import responses, sse
 from services.router.gateway.errors import ApiError, internal_error
+from services.router.gateway.logprobs_format import CompletionLogprobs, chat_content, merge_completion_parts
 from services.router.gateway.openai_protocol import Endpoint
 from services.router.gateway.responses import AnswerMeta
 from services.router.gateway.router_client import RouterAnswer
@@ -23,25 +27,107 @@ from services.router.gateway.router_client import RouterAnswer
 log = logging.getLogger(__name__)
 
 
-async def whole_answer(meta: AnswerMeta, answer: RouterAnswer) -> web.Response:
+class Choice:
+    """One completion's state across the router's messages: text, logprobs, finish."""
+
+    def __init__(self, meta: AnswerMeta, index: int):
+        self.meta, self.index = meta, index
+        self.parts: list[str] = []
+        self.logprob_parts: list[Any] = []
+        self.finish: str | None = None
+        self.started = False
+        self._legacy = CompletionLogprobs(meta.token_text) if meta.logprobs and meta.token_text else None
+
+    def add(self, message: router_pb2.GenerateResponse, prompt: router_pb2.GenerateResponse) -> tuple[str, Any]:
+        """The text and logprobs this message adds (the prompt leads a first message when echoing)."""
+        text, logprobs = message.text, None
+        if not self.started and self.meta.echo:
+            text = prompt.prompt_text + text
+        if self.meta.logprobs and self.meta.token_text:
+            if self.meta.endpoint == Endpoint.CHAT:
+                logprobs = {"content": chat_content(message.logprobs, self.meta.token_text)}
+            else:
+                echoed = self._legacy_prompt_part(prompt) if not self.started and self.meta.echo else None
+                logprobs = self._legacy.part(message.logprobs)
+                if echoed is not None:
+                    logprobs = merge_completion_parts([echoed, logprobs])
+            self.logprob_parts.append(logprobs)
+        self.started = True
+        self.parts.append(text)
+        if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finish = responses.finish_reason(message.finish_reason)
+        return text, logprobs
+
+    def _legacy_prompt_part(self, prompt: router_pb2.GenerateResponse) -> dict[str, Any]:
+        # the prompt's offsets start at 0: a fresh accumulator, then completion offsets continue after it
+        prompt_acc = CompletionLogprobs(self.meta.token_text)
+        part = prompt_acc.prompt_part(list(prompt.prompt_token_ids), prompt.prompt_logprobs)
+        self._legacy = CompletionLogprobs(self.meta.token_text, start_offset=len(prompt.prompt_text))
+        return part
+
+    def whole_logprobs(self) -> Any:
+        if not self.logprob_parts:
+            return None
+        if self.meta.endpoint == Endpoint.CHAT:
+            return {"content": [item for part in self.logprob_parts for item in part["content"]]}
+        return merge_completion_parts(self.logprob_parts)
+
+
+class Answer:
+    """Every choice of one answer, fed the router's messages in order."""
+
+    def __init__(self, meta: AnswerMeta):
+        self.meta = meta
+        self.choices = {i: Choice(meta, i) for i in range(meta.n)}
+        self.prompt: router_pb2.GenerateResponse | None = None  # the first message: prompt extras
+        self.usage = common_pb2.Usage()
+
+    def add(self, message: router_pb2.GenerateResponse) -> tuple[Choice, str, Any]:
+        if self.prompt is None:
+            self.prompt = message
+        choice = self.choices.get(message.index)
+        if choice is None:
+            raise internal_error(f"the router sent completion index {message.index} of {self.meta.n}")
+        text, logprobs = choice.add(message, self.prompt)
+        if message.HasField("usage"):
+            self.usage.prompt_tokens = message.usage.prompt_tokens
+            self.usage.completion_tokens += message.usage.completion_tokens
+        return choice, text, logprobs
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices.values())
+
+    def extras(self) -> dict[str, Any]:
+        """vLLM's prompt_logprobs, when asked for: null for the first prompt token, then {id: {...}}."""
+        if self.prompt is None or not self.prompt.prompt_logprobs or self.meta.token_text is None:
+            return {}
+        entries = [None] + [{str(e.token_id): {"logprob": e.logprob, "rank": e.rank,
+                                                "decoded_token": self.meta.token_text(e.token_id)}}
+                            for e in self.prompt.prompt_logprobs]
+        return {"prompt_logprobs": entries}
+
+
+async def whole_answer(meta: AnswerMeta, router_answer: RouterAnswer) -> web.Response:
     """Reads the answer to the end; returns the OpenAI completion object."""
-    parts, last = [], None
-    while (message := await answer.next()) is not None:
-        parts.append(message.text)
-        last = message
-    finish = responses.finish_reason(last.finish_reason)
-    return web.json_response(responses.full_response(meta, "".join(parts), finish, last.usage))
+    answer = Answer(meta)
+    while (message := await router_answer.next()) is not None:
+        answer.add(message)
+    extras = answer.extras()
+    choices = [responses.whole_choice(meta, c.index, "".join(c.parts), c.finish, c.whole_logprobs(), extras)
+               for c in answer.choices.values()]
+    return web.json_response(responses.full_response(meta, choices, answer.usage))
 
 
-async def streamed_answer(http_request: web.Request, meta: AnswerMeta, answer: RouterAnswer,
+async def streamed_answer(http_request: web.Request, meta: AnswerMeta, router_answer: RouterAnswer,
                           headers: dict[str, str]) -> web.StreamResponse:
     """Streams SSE chunks as router messages arrive; stops quietly when the client goes away."""
-    first = await answer.next()  # errors up to here are plain HTTP errors
+    first = await router_answer.next()  # errors up to here are plain HTTP errors
     response = web.StreamResponse(headers={**sse.HEADERS, **headers})
     await response.prepare(http_request)
     try:
         try:
-            await _write_chunks(response, meta, answer, first)
+            await _write_chunks(response, meta, router_answer, first)
         except ApiError as exc:
             log.warning("stream failed request_id=%s: %s", meta.id, exc)
             await response.write(sse.event(exc.body()))
@@ -60,16 +146,22 @@ async def streamed_answer(http_request: web.Request, meta: AnswerMeta, answer: R
     return response
 
 
-async def _write_chunks(response: web.StreamResponse, meta: AnswerMeta, answer: RouterAnswer, message) -> None:
+async def _write_chunks(response: web.StreamResponse, meta: AnswerMeta, router_answer: RouterAnswer,
+                        message) -> None:
+    answer = Answer(meta)
     if meta.endpoint == Endpoint.CHAT:
-        await response.write(sse.event(responses.role_chunk(meta)))
-    while True:
-        is_last = message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-        finish = responses.finish_reason(message.finish_reason) if is_last else None
-        if message.text or is_last:  # the router may hold text back (stop strings, partial UTF-8)
-            await response.write(sse.event(responses.text_chunk(meta, message.text, finish)))
-        if is_last:
+        for index in range(meta.n):
+            await response.write(sse.event(responses.role_chunk(meta, index)))
+    while message is not None:
+        is_first = answer.prompt is None
+        choice, text, logprobs = answer.add(message)
+        # the router may hold text back (stop strings, partial UTF-8): empty chunks only when they say more
+        if text or choice.finish is not None or logprobs is not None:
+            extras = answer.extras() if is_first else None
+            await response.write(sse.event(responses.text_chunk(meta, text, choice.finish, choice.index,
+                                                                logprobs, extras)))
+        if answer.done:
             break
-        message = await answer.next()
+        message = await router_answer.next()
     if meta.include_usage:
-        await response.write(sse.event(responses.usage_chunk(meta, message.usage)))
+        await response.write(sse.event(responses.usage_chunk(meta, answer.usage)))

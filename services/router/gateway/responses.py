@@ -3,7 +3,8 @@
 Completions: object `text_completion`, choice `text`. Chat: `chat.completion`
 with choice `message`, or `chat.completion.chunk` with choice `delta` (the first
 chunk carries role "assistant"). Every chunk of one answer has the same `id` and
-`created`; `finish_reason` is null until the last choice chunk.
+`created`; `finish_reason` is null until a choice's last chunk. With n > 1 each
+choice has its own `index`; the usage counts every completion.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from distserve.v1 import common_pb2
 from services.router.gateway.errors import ApiError, internal_error
+from services.router.gateway.logprobs_format import TokenText
 from services.router.gateway.openai_protocol import Endpoint
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
@@ -21,13 +23,17 @@ ID_PREFIX = {Endpoint.COMPLETIONS: "cmpl-", Endpoint.CHAT: "chatcmpl-"}
 
 @dataclasses.dataclass(frozen=True)
 class AnswerMeta:
-    """What every object of one answer repeats."""
+    """What every object of one answer repeats, and how its choices are shaped."""
 
     id: str
     created: int  # unix seconds
     model: str
     endpoint: Endpoint
     include_usage: bool = False  # streaming: `usage: null` on choice chunks, one usage chunk at the end
+    n: int = 1  # choices
+    logprobs: bool = False  # choices carry logprobs
+    echo: bool = False  # completions: the prompt leads the text (and the logprobs)
+    token_text: TokenText | None = None  # token id -> its string, for logprobs
 
 
 def finish_reason(value: int) -> str:
@@ -45,30 +51,37 @@ def usage(value: common_pb2.Usage) -> dict[str, int]:
             "total_tokens": value.prompt_tokens + value.completion_tokens}
 
 
-def full_response(meta: AnswerMeta, text: str, finish: str, counts: common_pb2.Usage) -> dict[str, Any]:
-    """The non-streaming answer."""
+def whole_choice(meta: AnswerMeta, index: int, text: str, finish: str, logprobs: Any = None,
+                 extras: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of the non-streaming answer (extras: e.g. vLLM's prompt_logprobs)."""
     if meta.endpoint == Endpoint.CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
-        kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
-    return {**_head(meta, kind), "choices": [choice], "usage": usage(counts)}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return {**choice, **(extras or {})}
 
 
-def role_chunk(meta: AnswerMeta) -> dict[str, Any]:
-    """Chat streaming starts with the assistant's role and no text yet."""
-    return _chunk(meta, {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+def full_response(meta: AnswerMeta, choices: list[dict[str, Any]], counts: common_pb2.Usage) -> dict[str, Any]:
+    """The non-streaming answer."""
+    kind = "chat.completion" if meta.endpoint == Endpoint.CHAT else "text_completion"
+    return {**_head(meta, kind), "choices": choices, "usage": usage(counts)}
+
+
+def role_chunk(meta: AnswerMeta, index: int = 0) -> dict[str, Any]:
+    """Chat streaming starts each choice with the assistant's role and no text yet."""
+    return _chunk(meta, {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})
 
 
-def text_chunk(meta: AnswerMeta, text: str, finish: str | None) -> dict[str, Any]:
+def text_chunk(meta: AnswerMeta, text: str, finish: str | None, index: int = 0, logprobs: Any = None,
+               extras: dict[str, Any] | None = None) -> dict[str, Any]:
     if meta.endpoint == Endpoint.CHAT:
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                  "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return _chunk(meta, choice)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return _chunk(meta, {**choice, **(extras or {})})
 
 
 def usage_chunk(meta: AnswerMeta, counts: common_pb2.Usage) -> dict[str, Any]:
