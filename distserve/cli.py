@@ -51,6 +51,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", default="",
                         help="require `Authorization: Bearer KEY` on the gateway, KEY read from this file "
                              "(or set DISTSERVE_API_KEY; never on the command line, where `ps` shows it)")
+    parser.add_argument("--chat-template", default="", metavar="FILE_OR_STRING",
+                        help="the gateway's chat template: a Jinja file, or the template text; overrides the "
+                             "tokenizer's (needed for a model without one)")
     parser.add_argument("--log-dir", default="", help="where each process writes its log")
     parser.add_argument("--tls-dir", default="", help="mutual TLS between all services with a self-signed CA and "
                                                       "certificate kept in this folder (made on first use)")
@@ -60,6 +63,7 @@ def _spec(args) -> ClusterSpec:
     # Build (or find) the model once here, so the workers only load it.
     gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     gateway_args += ["--api-key-file", args.api_key_file] if args.api_key_file else []
+    gateway_args += ["--chat-template", _absolute_if_file(args.chat_template)] if args.chat_template else []
     default = 0 if args.colocated else 1
     num_prefill = default if args.prefill is None else args.prefill
     num_decode = default if args.decode is None else args.decode
@@ -72,6 +76,12 @@ def _spec(args) -> ClusterSpec:
                        cpus=args.cpus, share_cores=args.share_cores,
                        tls=make_dev_certs(args.tls_dir) if args.tls_dir else PLAINTEXT,
                        env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device})
+
+
+def _absolute_if_file(value: str) -> str:
+    """A file's absolute path (a supervised restart must find it whatever its working directory); other text
+    as it is."""
+    return os.path.abspath(value) if os.path.isfile(value) else value
 
 
 def _print_cores(cluster: Cluster) -> None:

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     init_tracing("distserve-gateway")
     config = parse_config(GatewayConfig, argv, prefix="DISTSERVE_GATEWAY_").with_api_key_from_file()
     path = resolve_model_path(config.model)
-    template = ChatTemplate(load_tokenizer(path), load_model_spec(path).max_context)
+    template = ChatTemplate(load_tokenizer(path), load_model_spec(path).max_context, config.load_chat_template())
     app = create_app(config, template, config.served_model_name or Path(path).name)
     # handler_cancellation: a client that disconnects cancels its handler, and so its router call.
     web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None,

@@ -1,8 +1,8 @@
 """The aiohttp application: routes, API-key check, request ids, and errors as OpenAI error objects.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
-GET /metrics (these need the API key when one is configured), GET /health (ready to
-serve), GET /version.
+POST /tokenize and /detokenize (vLLM's; tokenizer_endpoints), GET /metrics (these need
+the API key when one is configured), GET /health (ready to serve), GET /version.
 Run with handler_cancellation=True: a client that disconnects cancels its
 handler, whose `finally` cancels the router call.
 """
@@ -36,6 +36,8 @@ from services.router.gateway.openai_protocol import (
 )
 from services.router.gateway.responses import ID_PREFIX, AnswerMeta
 from services.router.gateway.router_client import RouterClient
+from services.router.gateway.tokenizer_endpoints import PATHS as TOKENIZER_PATHS
+from services.router.gateway.tokenizer_endpoints import TokenizerEndpoints
 from services.router.validation import THREAD_TOKENIZE_CHARS
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,8 @@ class Gateway:
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
                 web.get("/health", self.health), web.get("/version", self.version),
-                web.get("/metrics", self.metrics)]
+                web.get("/metrics", self.metrics),
+                *TokenizerEndpoints(self._template, self.served_model_name, lambda: self._router).routes()]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_json_object(await request.read())
@@ -151,7 +154,7 @@ def tracing_middleware(metrics: GatewayMetrics) -> Callable:
 
     @web.middleware
     async def trace_and_count(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.path.startswith("/v1/"):
+        if not _is_api(request.path):
             return await handler(request)
         started = time.monotonic()
         path = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
@@ -190,13 +193,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def api_key_middleware(api_key: str) -> Callable:
-    """401 on /v1/* and /metrics unless `Authorization: Bearer <api_key>`; /health and /version stay open
-    (probes carry no key and learn nothing private from them)."""
+    """401 on /v1/*, /tokenize, /detokenize and /metrics unless `Authorization: Bearer <api_key>`; /health and
+    /version stay open (probes carry no key and learn nothing private from them)."""
     expected = api_key.encode()
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/") or request.path == "/metrics":
+        if _is_api(request.path) or request.path == "/metrics":
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
                 raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
@@ -204,6 +207,11 @@ def api_key_middleware(api_key: str) -> Callable:
         return await handler(request)
 
     return check_api_key
+
+
+def _is_api(path: str) -> bool:
+    """The OpenAI/vLLM API paths: keyed, traced and counted."""
+    return path.startswith("/v1/") or path in TOKENIZER_PATHS
 
 
 def request_id_from(header: str | None) -> str:

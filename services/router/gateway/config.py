@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from distserve.config import ConfigError, require, setting
 from distserve.grpc_server import TlsConfig
+
+_TEMPLATE_CHARS = "{}\n"  # every Jinja template that prints or loops has one; a path has none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +35,8 @@ class GatewayConfig(TlsConfig):
     retry_after_s: int = setting(1, "Retry-After seconds sent with 429 (router out of KV capacity)")
     max_body_mb: float = setting(8.0, "largest accepted request body, in MiB")
     shutdown_grace_s: float = setting(10.0, "on SIGTERM, how long in-flight requests may still run")
+    chat_template: str = setting("", "Jinja chat template for chat requests, or a file holding one; overrides "
+                                     "the tokenizer's (needed for a model without one)")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
@@ -54,3 +59,21 @@ class GatewayConfig(TlsConfig):
             raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from exc
         require(bool(key), "api_key_file", f"{self.api_key_file} is empty")
         return dataclasses.replace(self, api_key=key, api_key_file="")
+
+    def load_chat_template(self) -> str | None:
+        """The chat template text: chat_template read from the file it names, or taken as the template itself;
+        None when unset. ConfigError naming chat_template when a file cannot be read, or when the value names
+        no file and has none of a template's characters (a mistyped path is not silently a template)."""
+        value = self.chat_template
+        if not value:
+            return None
+        if os.path.isfile(value):  # not Path.is_file: a long template is a name too long, which it raises on
+            try:
+                text = Path(value).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"chat_template: cannot read {value}: {exc}") from exc
+            require(bool(text.strip()), "chat_template", f"{value} is empty")
+            return text
+        require(any(c in value for c in _TEMPLATE_CHARS), "chat_template",
+                f"{value!r} looks like a file path, but there is no such file")
+        return value

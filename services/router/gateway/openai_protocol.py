@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from distserve.v1 import common_pb2, router_pb2
-from services.router.gateway.chat_template import ChatTemplate
+from services.router.gateway.chat_template import ChatTemplate, chat_template_kwargs
 from services.router.gateway.errors import ApiError, bad_request
 from services.router.gateway.json_fields import Body, check_int_list, is_int, is_number, show
 from services.router.validation import MAX_CHARS_PER_TOKEN
@@ -84,7 +84,8 @@ _SAMPLING = {"model", "stream", "stream_options", "max_tokens", "seed", "stop", 
 _COMMON = _SAMPLING | set(_IGNORED) | {"logit_bias", "logprobs"}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                                   "functions", "tool_choice", "function_call", "modalities"})
+                                   "functions", "tool_choice", "function_call", "modalities",
+                                   "chat_template_kwargs"})  # the last: vLLM's extra
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -115,7 +116,7 @@ def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
     request = _parse_common(body, Endpoint.CHAT, CHAT_FIELDS, max_tokens_field)
     messages = [_chat_message(i, m) for i, m in enumerate(_required_list(body, "messages"))]
     _check_chat_fits(messages, template.max_context)
-    prompt = tuple(template.encode(messages))
+    prompt = tuple(template.encode(messages, chat_template_kwargs(body.raw("chat_template_kwargs"))))
     if not request.sampling.HasField("max_tokens") and 0 < len(prompt) < template.max_context:
         # OpenAI's chat default is no limit: answer up to the end of the model's context.
         request.sampling.max_tokens = template.max_context - len(prompt)

@@ -79,6 +79,22 @@ class RouterClient:
         call = self._stub.Generate(request, timeout=self._config.request_timeout_s)
         return RouterAnswer(call, params, self._config.retry_after_s)
 
+    async def tokenize(self, request: router_pb2.TokenizeRequest,
+                       params: Mapping[str, str]) -> router_pb2.TokenizeResponse:
+        """The router's Tokenize; a failure raises the client's ApiError (`params`: as for generate)."""
+        return await self._unary(self._stub.Tokenize, request, params)
+
+    async def detokenize(self, request: router_pb2.DetokenizeRequest,
+                         params: Mapping[str, str]) -> router_pb2.DetokenizeResponse:
+        """The router's Detokenize; a failure raises the client's ApiError (`params`: as for generate)."""
+        return await self._unary(self._stub.Detokenize, request, params)
+
+    async def _unary(self, method, request, params: Mapping[str, str]):
+        try:
+            return await method(request, timeout=self._config.request_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise from_router_error(exc.code(), exc.details(), params, self._config.retry_after_s) from None
+
     async def readiness_problems(self) -> list[str]:
         """Why the system cannot serve now: router down, or neither a colocated worker nor a prefill and a
         decode worker. Empty: ready."""
