@@ -73,7 +73,37 @@ def test_vllm_top_k_minus_one_means_off_and_negative_seeds_wrap():
 def test_off_values_of_unsupported_features_are_accepted():
     request = completion(prompt="x", logprobs=None, echo=False, best_of=1, logit_bias={})
     assert request.to_router("r").text == "x"
-    assert completion(prompt="x", logprobs=False).to_router("r").text == "x"
+
+
+def test_logprobs_echo_n_best_of_and_user_reach_the_router_request():
+    routed = completion(prompt="x", logprobs=0, echo=True, n=2, best_of=3, user="alice").to_router("r")
+    assert routed.sampling.logprobs == 0  # 0: the chosen tokens' logprobs, no alternatives
+    assert routed.sampling.prompt_logprobs == 0  # echoed prompt tokens carry logprobs too
+    assert (routed.echo, routed.n, routed.best_of, routed.user) == (True, 2, 3, "alice")
+    assert not completion(prompt="x").to_router("r").sampling.HasField("logprobs")
+
+
+def test_chat_logprobs_are_a_boolean_plus_top_logprobs(template):
+    messages = [{"role": "user", "content": "hi"}]
+    assert parse_chat(body(messages=messages, logprobs=True, top_logprobs=4), template).sampling.logprobs == 4
+    assert parse_chat(body(messages=messages, logprobs=True), template).sampling.logprobs == 0
+    assert not parse_chat(body(messages=messages, logprobs=False), template).sampling.HasField("logprobs")
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "integer"}}}},
+     {"json_schema": '{"type": "integer"}'}),
+    ({"response_format": {"type": "text"}}, {}),
+    ({"structured_outputs": {"regex": "[ab]+"}}, {"regex": "[ab]+"}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": {"values": ["yes", "no"]}}),
+    ({"structured_outputs": {"json": {"type": "boolean"}}}, {"json_schema": '{"type": "boolean"}'}),
+    ({"structured_outputs": {"grammar": "root ::= \"a\""}}, {"grammar": 'root ::= "a"'}),
+])
+def test_structured_output_fields_reach_the_router_request(fields, expected):
+    from google.protobuf.json_format import MessageToDict
+    sampling = completion(prompt="x", **fields).sampling
+    assert MessageToDict(sampling.structured_output, preserving_proto_field_name=True) == expected
 
 
 def test_sampler_fields_reach_the_router_request():
@@ -147,7 +177,8 @@ def test_out_of_range_sampler_values_are_400_naming_the_param(field, value):
     ({"prompt": "x", "stop": [1, 2]}, "stop"),
     ({"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": "2"}, "n"),
     ({"prompt": "x", "stream": "true"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
@@ -157,12 +188,17 @@ def test_out_of_range_sampler_values_are_400_naming_the_param(field, value):
     ({"prompt": "x", "frequency_penalty": True}, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": "1.0"}, "repetition_penalty"),
     ({"prompt": "x", "min_p": [0.1]}, "min_p"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "logprobs": 0}, "logprobs"),  # 0 asks for the chosen tokens' logprobs
-    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),  # completions take a count; chat takes the boolean
     ({"prompt": "x", "logprobs": "1"}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "best_of": "3"}, "best_of"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),  # the best are known only at the end
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": 5}}, "response_format.json_schema"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"prompt": "x", "structured_outputs": {"colour": "red"}}, "structured_outputs.colour"),
+    ({"prompt": "x", "prompt_logprobs": "2"}, "prompt_logprobs"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "x", "messages": []}, "messages"),
     ({"prompt": ["a", "b"]}, "prompt"),
@@ -194,7 +230,8 @@ def test_chat_renders_the_tokenizer_template(template, tiny_model_path):
                                                                    tokenize=True, return_dict=True)["input_ids"]
     assert list(request.to_router("r").token_ids.ids) == list(expected)
     assert request.sampling.max_tokens == 9
-    assert request.params == {"prompt": "messages", "max_tokens": "max_completion_tokens"}
+    assert request.params["prompt"] == "messages" and request.params["max_tokens"] == "max_completion_tokens"
+    assert request.params["logprobs"] == "top_logprobs"
 
 
 def test_chat_text_parts_are_joined(template):
@@ -213,13 +250,12 @@ def test_chat_text_parts_are_joined(template):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": "json"}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "many"}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "max_tokens": "x"}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),  # needs logprobs true
     ({"messages": [{"role": "user", "content": "hi"}], "min_p": "low"}, "min_p"),
 ])
 def test_bad_chat_fields_are_400_naming_the_field(template, fields, param):

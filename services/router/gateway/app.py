@@ -10,6 +10,7 @@ handler, whose `finally` cancels the router call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -57,6 +58,7 @@ class Gateway:
         self._config = config
         self._metrics = metrics
         self._template = template
+        self._token_text = functools.lru_cache(maxsize=65536)(lambda token: template.tokenizer.decode([token]))
         self.served_model_name = served_model_name
         self._router: RouterClient | None = None
         self._started = int(time.time())
@@ -92,7 +94,8 @@ class Gateway:
     async def _answer(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
         request_id = request[_REQUEST_ID]
         meta = AnswerMeta(ID_PREFIX[api.endpoint] + request_id, int(time.time()), api.model, api.endpoint,
-                          include_usage=api.stream and api.include_usage)
+                          include_usage=api.stream and api.include_usage, n=api.n,
+                          logprobs=api.wants_logprobs, echo=api.echo, token_text=self._token_text)
         router_request = api.to_router(request_id)
         _trace_request_attributes(api, router_request)
         answer = self._router.generate(router_request, api.params)

@@ -21,6 +21,7 @@ from distserve.v1 import common_pb2, router_pb2
 from services.router.gateway.chat_template import ChatTemplate, chat_template_kwargs
 from services.router.gateway.errors import ApiError, bad_request
 from services.router.gateway.json_fields import Body, check_int_list, is_int, is_number, show
+from services.router.gateway.structured_fields import structured_output
 from services.router.validation import MAX_CHARS_PER_TOKEN
 
 
@@ -40,9 +41,18 @@ class ApiRequest:
     prompt: str | tuple[int, ...]  # text (the router tokenizes) or token ids
     sampling: common_pb2.SamplingParams
     params: Mapping[str, str]  # router request field -> the client's field, for error messages
+    n: int = 1
+    best_of: int = 0  # 0: n
+    echo: bool = False
+    user: str = ""
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling.HasField("logprobs")
 
     def to_router(self, request_id: str) -> router_pb2.GenerateRequest:
-        request = router_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling)
+        request = router_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling, n=self.n,
+                                             best_of=self.best_of, echo=self.echo, user=self.user)
         if isinstance(self.prompt, str):
             request.text = self.prompt
         else:
@@ -52,7 +62,6 @@ class ApiRequest:
 
 # Accepted, type-checked and ignored: they do not change the answer.
 _IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "user": (lambda v: isinstance(v, str), "a string"),
     "metadata": (lambda v: isinstance(v, dict), "an object"),
     "store": (lambda v: isinstance(v, bool), "a boolean"),
     "service_tier": (lambda v: isinstance(v, str), "a string"),
@@ -64,12 +73,7 @@ _IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
 # null is always accepted; off values compare by type too, so logprobs 0 (chosen-token logprobs) is not false.
 _OFF_ONLY: dict[str, tuple[Callable[[Any], bool], str, tuple[Any, ...]]] = {
     "logit_bias": (lambda v: isinstance(v, dict), "an object", ({},)),
-    "logprobs": (lambda v: isinstance(v, (bool, int)), "an integer or a boolean", (False,)),
-    "top_logprobs": (is_int, "an integer", (0,)),
-    "best_of": (is_int, "an integer", (1,)),
-    "echo": (lambda v: isinstance(v, bool), "a boolean", (False,)),
     "suffix": (lambda v: isinstance(v, str), "a string", ("",)),
-    "response_format": (lambda v: isinstance(v, dict), "an object", ({"type": "text"},)),
     "tools": (lambda v: isinstance(v, list), "an array", ([],)),
     "functions": (lambda v: isinstance(v, list), "an array", ([],)),
     "tool_choice": (lambda v: isinstance(v, (str, dict)), "a string or an object", ("none", "auto")),
@@ -81,9 +85,10 @@ _NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",  # 
             "repetition_penalty", "min_p")  # vLLM's extras
 _SAMPLING = {"model", "stream", "stream_options", "max_tokens", "seed", "stop", "n", *_NUMBERS,
              "top_k", "ignore_eos", "stop_token_ids", "min_tokens"}  # top_k and below: vLLM's extras
-_COMMON = _SAMPLING | set(_IGNORED) | {"logit_bias", "logprobs"}
+_COMMON = _SAMPLING | set(_IGNORED) | {"logit_bias", "logprobs", "user", "response_format", "structured_outputs",
+                                       "prompt_logprobs"}  # the last two: vLLM's extras
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix"})
-CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                    "functions", "tool_choice", "function_call", "modalities",
                                    "chat_template_kwargs"})  # the last: vLLM's extra
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -106,7 +111,16 @@ def check_model(model: str, served_model_name: str) -> None:
 def parse_completion(body: Body) -> ApiRequest:
     """POST /v1/completions body -> ApiRequest (prompt as text or token ids)."""
     request = _parse_common(body, Endpoint.COMPLETIONS, COMPLETION_FIELDS, "max_tokens")
-    return dataclasses.replace(request, prompt=_completion_prompt(body))
+    logprobs = body.get_int("logprobs")  # legacy completions: how many alternatives (0: the chosen token only)
+    echo = bool(body.get_bool("echo"))
+    if logprobs is not None:
+        request.sampling.logprobs = logprobs
+        if echo and not request.sampling.HasField("prompt_logprobs"):
+            request.sampling.prompt_logprobs = logprobs  # echoed prompt tokens carry logprobs too
+    best_of = body.get_int("best_of") or 0
+    if request.stream and best_of > request.n:
+        raise bad_request("best_of", "cannot be streamed: best_of > n picks the best only once all are done")
+    return dataclasses.replace(request, prompt=_completion_prompt(body), best_of=best_of, echo=echo)
 
 
 def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
@@ -114,6 +128,7 @@ def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
     max_tokens_field = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
     body.get_int("max_tokens")  # type-checked even when max_completion_tokens (the newer name) wins
     request = _parse_common(body, Endpoint.CHAT, CHAT_FIELDS, max_tokens_field)
+    _chat_logprobs(body, request.sampling)
     messages = [_chat_message(i, m) for i, m in enumerate(_required_list(body, "messages"))]
     _check_chat_fits(messages, template.max_context)
     prompt = tuple(template.encode(messages, chat_template_kwargs(body.raw("chat_template_kwargs"))))
@@ -121,6 +136,15 @@ def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
         # OpenAI's chat default is no limit: answer up to the end of the model's context.
         request.sampling.max_tokens = template.max_context - len(prompt)
     return dataclasses.replace(request, prompt=prompt)
+
+
+def _chat_logprobs(body: Body, sampling: common_pb2.SamplingParams) -> None:
+    """Chat spells logprobs as `logprobs: true` plus `top_logprobs: N` alternatives."""
+    wanted, top = body.get_bool("logprobs"), body.get_int("top_logprobs")
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs", "requires logprobs to be true")
+    if wanted:
+        sampling.logprobs = top or 0
 
 
 def _check_chat_fits(messages: list[dict[str, str]], max_context: int) -> None:
@@ -135,17 +159,23 @@ def _check_chat_fits(messages: list[dict[str, str]], max_context: int) -> None:
 def _parse_common(body: Body, endpoint: Endpoint, allowed: frozenset[str], max_tokens_field: str) -> ApiRequest:
     _check_field_names(body, allowed)
     n = body.get_int("n")
-    if n is not None and n != 1:
-        raise bad_request("n", f"only n=1 is supported, got {n}")
+    if n is not None and n < 1:
+        raise bad_request("n", f"must be >= 1, got {n}")
     stream = bool(body.get_bool("stream"))
     options = body.get_object("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options", "is only allowed when stream is true")
     prompt_field = "messages" if endpoint == Endpoint.CHAT else "prompt"
+    sampling = _sampling(body, max_tokens_field)
+    structured, structured_field = structured_output(body)
+    if structured is not None:
+        sampling.structured_output.CopyFrom(structured)
     return ApiRequest(endpoint=endpoint, model=requested_model(body), stream=stream,
-                      include_usage=_include_usage(options or {}), prompt=(),
-                      sampling=_sampling(body, max_tokens_field),
-                      params={"prompt": prompt_field, "max_tokens": max_tokens_field})
+                      include_usage=_include_usage(options or {}), prompt=(), sampling=sampling,
+                      params={"prompt": prompt_field, "max_tokens": max_tokens_field,
+                              "structured_output": structured_field or "structured_outputs",
+                              "logprobs": "top_logprobs" if endpoint == Endpoint.CHAT else "logprobs"},
+                      n=n or 1, user=body.get_str("user") or "")
 
 
 def _check_field_names(body: Body, allowed: frozenset[str]) -> None:
@@ -191,6 +221,9 @@ def _sampling(body: Body, max_tokens_field: str) -> common_pb2.SamplingParams:
         value = body.get_number(name)
         if value is not None:
             setattr(sampling, name, value)
+    prompt_logprobs = body.get_int("prompt_logprobs")
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     seed = body.get_int("seed", lo=-(2**63), hi=2**64 - 1)
     if seed is not None:
         sampling.seed = seed % 2**64  # negative seeds (int64) are accepted, as by OpenAI

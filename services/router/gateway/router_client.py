@@ -27,14 +27,16 @@ class RouterAnswer:
     client gone, error): it is what makes the router cancel the workers.
     """
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, params: Mapping[str, str], retry_after_s: int):
+    def __init__(self, call: grpc.aio.UnaryStreamCall, params: Mapping[str, str], retry_after_s: int,
+                 num_completions: int = 1):
         self._call = call
         self._params = params
         self._retry_after_s = retry_after_s
+        self._unfinished = num_completions
         self._finished = False
 
     async def next(self) -> router_pb2.GenerateResponse | None:
-        """The next message; None once the message with the finish reason has been returned."""
+        """The next message; None once every completion's message with a finish reason has been returned."""
         if self._finished:
             return None
         try:
@@ -43,7 +45,9 @@ class RouterAnswer:
             raise from_router_error(exc.code(), exc.details(), self._params, self._retry_after_s) from None
         if message is grpc.aio.EOF:
             raise internal_error("the router ended the stream without a finish reason")
-        self._finished = message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self._unfinished -= 1
+            self._finished = self._unfinished <= 0
         return message
 
     def cancel(self) -> None:
@@ -77,7 +81,7 @@ class RouterClient:
     def generate(self, request: router_pb2.GenerateRequest, params: Mapping[str, str]) -> RouterAnswer:
         """Starts the call; `params` maps router field names to the client's for 400 messages."""
         call = self._stub.Generate(request, timeout=self._config.request_timeout_s)
-        return RouterAnswer(call, params, self._config.retry_after_s)
+        return RouterAnswer(call, params, self._config.retry_after_s, max(request.n, 1))
 
     async def tokenize(self, request: router_pb2.TokenizeRequest,
                        params: Mapping[str, str]) -> router_pb2.TokenizeResponse:
