@@ -1,6 +1,6 @@
 """The `distserve` command: up (start everything, supervised), status (its children, health and load),
-demo (start, answer, stop), generate (stream an answer), trace (a request's waterfall), bench (goodput),
-profile and plan (placement search)."""
+demo (start, answer, stop), generate (stream an answer), trace (a request's waterfall), explain (where
+its time went, against the SLOs), bench (goodput), profile and plan (placement search)."""
 
 from __future__ import annotations
 
@@ -215,13 +215,15 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_tool_commands(commands) -> dict:
-    """bench, profile and plan: each module owns its flags (add_arguments) and its run(args)."""
+    """bench, profile, plan and explain: each module owns its flags (add_arguments) and its run(args)."""
+    from distserve import explain
     from distserve.bench import cli as bench
     from distserve.planner import plan_cli, profile_cli
 
     tools = {"bench": (bench, "drive an OpenAI endpoint with Poisson arrivals: TTFT, TPOT, SLO attainment, goodput"),
              "profile": (profile_cli, "measure this machine's step and KV-transfer latency models for the planner"),
-             "plan": (plan_cli, "search worker counts, cores and batch budget for the best goodput, by simulation")}
+             "plan": (plan_cli, "search worker counts, cores and batch budget for the best goodput, by simulation"),
+             "explain": (explain, "say where a request's time went and which stage broke which SLO, from its trace")}
     for name, (module, summary) in tools.items():
         module.add_arguments(commands.add_parser(name, help=summary, description=summary))
     return {name: module.run for name, (module, _) in tools.items()}

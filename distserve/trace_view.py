@@ -24,6 +24,7 @@ class SpanRow:
     start_us: int
     duration_us: int
     failed: bool
+    attributes: dict = dataclasses.field(default_factory=dict)  # the span's tags, by key
 
 
 def fetch_trace(jaeger_url: str, service: str, request_id: str, timeout_s: float = 10) -> dict:
@@ -41,7 +42,8 @@ def rows_from_jaeger(trace: dict) -> list[SpanRow]:
         tags = {t["key"]: t.get("value") for t in span.get("tags", [])}
         failed = str(tags.get("error", "")).lower() == "true" or tags.get("otel.status_code") == "ERROR"
         rows.append(SpanRow(span["spanID"], parents[0] if parents else "", processes.get(span["processID"], "?"),
-                            span["operationName"], int(span["startTime"]), int(span["duration"]), failed))
+                            span["operationName"], int(span["startTime"]), int(span["duration"]), failed,
+                            tags))
     return rows
 
 
