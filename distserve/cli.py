@@ -13,18 +13,19 @@ import signal
 import sys
 import time
 from pathlib import Path
-
-import grpc
+from typing import TextIO
 
 from distserve import cluster_state
+from distserve.client import Chunk, DistServeClient, DistServeError, Sampling, Timings, Usage
 from distserve.config import ConfigError
+from distserve.convert import finish_to_proto
 from distserve.engine.dtype import DTYPE_CHOICES
 from distserve.engine.model_loader import resolve_model_path
 from distserve.dev_certs import make_dev_certs
-from distserve.grpc_server import PLAINTEXT
+from distserve.grpc_server import PLAINTEXT, TlsConfig
 from distserve.launcher import Cluster, ClusterSpec
 from distserve.redact import redact_url
-from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from distserve.v1 import common_pb2
 
 
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -98,38 +99,43 @@ def _print_addresses(cluster: Cluster) -> None:
     print(f"logs      {cluster.log_dir}", flush=True)
 
 
-async def stream_generate(address: str, prompt: str, max_tokens: int, temperature: float, seed: int | None,
-                          out=sys.stdout) -> router_pb2.GenerateResponse:
-    """Streams one answer to `out`; returns the last message (finish reason, usage, timings)."""
-    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    if seed is not None:
-        sampling.seed = seed
-    last = None
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        async for message in stub.Generate(router_pb2.GenerateRequest(text=prompt, sampling=sampling)):
-            out.write(message.text)
+async def stream_generate(address: str, prompt: str, sampling: Sampling, tls: TlsConfig | None = None,
+                          out: TextIO | None = None) -> Chunk:
+    """Streams one answer to `out` (default: sys.stdout); returns the last chunk (finish reason, usage, timings)."""
+    out, last = out or sys.stdout, None
+    async with DistServeClient(address, tls) as client:
+        async for chunk in client.generate(prompt, sampling):
+            out.write(chunk.text)
             out.flush()
-            last = message
+            last = chunk
     out.write("\n")
     return last
 
 
-def _print_summary(last: router_pb2.GenerateResponse, wall_s: float) -> None:
-    t = last.timings
-    reason = common_pb2.FinishReason.Name(last.finish_reason)
-    print(f"[{reason} | prompt {last.usage.prompt_tokens} tokens, completion {last.usage.completion_tokens} "
+def _print_summary(last: Chunk, wall_s: float) -> None:
+    t, usage = last.timings or Timings(0, 0, 0, 0, 0, 0), last.usage or Usage(0, 0)
+    reason = common_pb2.FinishReason.Name(finish_to_proto(last.finish_reason))
+    print(f"[{reason} | prompt {usage.prompt_tokens} tokens, completion {usage.completion_tokens} "
           f"| first token {t.first_token_s * 1000:.1f} ms (queue {t.queue_s * 1000:.1f}, prefill "
           f"{t.prefill_s * 1000:.1f}), transfer {t.transfer_s * 1000:.1f} ms, decode {t.decode_s * 1000:.1f} ms, "
           f"end to end {wall_s * 1000:.1f} ms]", file=sys.stderr)
 
 
+def _client_tls(tls_dir: str) -> TlsConfig | None:
+    """The certificates `distserve up --tls-dir` made in tls_dir (read here, never made)."""
+    if not tls_dir:
+        return None
+    folder = Path(tls_dir)
+    return TlsConfig(tls_cert=str(folder / "cert.pem"), tls_key=str(folder / "key.pem"), tls_ca=str(folder / "ca.pem"))
+
+
 def _generate(args) -> int:
     started = time.monotonic()
+    sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
-        last = asyncio.run(stream_generate(args.router, args.prompt, args.max_tokens, args.temperature, args.seed))
-    except grpc.aio.AioRpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        last = asyncio.run(stream_generate(args.router, args.prompt, sampling, _client_tls(args.tls_dir)))
+    except DistServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     _print_summary(last, time.monotonic() - started)
     return 0
@@ -249,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = commands.add_parser("generate", help="stream an answer from a running router")
     gen.add_argument("prompt")
     gen.add_argument("--router", default="127.0.0.1:50051")
+    gen.add_argument("--tls-dir", default="", help="the folder of `distserve up --tls-dir`: its CA and client "
+                                                   "certificate, for a router that requires mutual TLS")
     _add_generate_args(gen)
     trace = commands.add_parser("trace", help="print a request's trace from Jaeger as a waterfall")
     trace.add_argument("request_id")

@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 
+from distserve.cli import main
+from distserve.client import Completion, DistServeError, DistServeSyncClient
 from distserve.dev_certs import make_ca, make_dev_certs, make_signed_cert
-from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
+from distserve.grpc_server import PLAINTEXT, TlsConfig
 from distserve.launcher import ClusterSpec
-from distserve.v1 import router_pb2, router_pb2_grpc
-from tests.builders import sampling
 from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, running_cluster
 
 API_KEY = "sk-auth-test"
@@ -40,10 +41,9 @@ def secure_cluster(tiny_model_path, tmp_path_factory, certs):
         yield cluster
 
 
-def generate(address: str, tls: TlsConfig) -> list[router_pb2.GenerateResponse]:
-    request = router_pb2.GenerateRequest(text="hello", sampling=sampling(max_tokens=3))
-    with blocking_channel(address, tls) as channel:
-        return list(router_pb2_grpc.RouterServiceStub(channel).Generate(request, timeout=60))
+def generate(address: str, tls: TlsConfig) -> Completion:
+    with DistServeSyncClient(address, tls, timeout_s=60) as client:
+        return client.complete("hello", max_tokens=3, temperature=0)
 
 
 def stranger_cert(folder, trusted_ca: str) -> TlsConfig:
@@ -54,21 +54,30 @@ def stranger_cert(folder, trusted_ca: str) -> TlsConfig:
 
 
 def test_the_router_answers_a_client_with_the_right_certificate(secure_cluster, certs):
-    messages = generate(secure_cluster.router_address, certs)
-    assert sum(len(m.token_ids) for m in messages) == 3 and messages[-1].finish_reason
+    answer = generate(secure_cluster.router_address, certs)
+    assert len(answer.token_ids) == 3 and answer.finish_reason
+
+
+def test_distserve_generate_with_the_tls_dir_of_distserve_up(secure_cluster, certs, capsys):
+    tls_dir = str(Path(certs.tls_ca).parent)
+    argv = ["generate", "hello", "--router", secure_cluster.router_address, "--max-tokens", "3"]
+    assert main([*argv, "--tls-dir", tls_dir]) == 0
+    assert capsys.readouterr().out == generate(secure_cluster.router_address, certs).text + "\n"
+    assert main(argv) == 1
+    assert capsys.readouterr().err.startswith("error: UNAVAILABLE")
 
 
 @pytest.mark.parametrize("name", ["router", "kvbroker", "prefill-0", "decode-0"])
 def test_every_service_refuses_a_plaintext_client(secure_cluster, name):
-    with pytest.raises(grpc.RpcError) as error:
+    with pytest.raises(DistServeError) as error:
         generate(secure_cluster.processes[name].address, PLAINTEXT)
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_the_router_refuses_a_certificate_from_another_ca(secure_cluster, certs, tmp_path):
-    with pytest.raises(grpc.RpcError) as error:
+    with pytest.raises(DistServeError) as error:
         generate(secure_cluster.router_address, stranger_cert(tmp_path, certs.tls_ca))
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def http(url: str, key: str | None, body: dict | None = None) -> tuple[int, bytes]:

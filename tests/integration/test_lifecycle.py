@@ -14,10 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from distserve import cli
+from distserve.client import DistServeSyncClient, FinishReason
 from distserve.launcher import Cluster, ClusterSpec, find_redis_server, free_port
-from tests.builders import token_request
 from tests.integration.conftest import WORKER_LEASE_S, wait_for_workers
-from distserve.v1 import common_pb2, kvbroker_pb2, kvbroker_pb2_grpc, router_pb2_grpc
+from distserve.v1 import common_pb2, kvbroker_pb2, kvbroker_pb2_grpc
 
 SERVICE_OF = {"router": "distserve.v1.RouterService", "kvbroker": "distserve.v1.KvBrokerService",
               "prefill-0": "distserve.v1.PrefillService", "decode-0": "distserve.v1.DecodeService"}
@@ -43,17 +43,16 @@ def test_sigterm_lets_an_in_flight_stream_finish(cluster):
     wait_for_workers(cluster, 2, 3)
     spare_id = f"decode-127.0.0.1-{port}"
     try:
-        with grpc.insecure_channel(cluster.router_address) as channel:
-            stream = router_pb2_grpc.RouterServiceStub(channel).Generate(
-                token_request([30, 31, 32], max_tokens=400, ignore_eos=True), timeout=300)
+        with DistServeSyncClient(cluster.router_address, timeout_s=300) as client:
+            stream = client.generate([30, 31, 32], max_tokens=400, temperature=0, ignore_eos=True)
             first = next(stream)
             assert first.decode_worker == spare_id
             terminated = threading.Thread(target=spare.popen.terminate)
             terminated.start()
             rest = list(stream)
             terminated.join()
-        assert sum(len(m.token_ids) for m in [first, *rest]) == 400
-        assert rest[-1].finish_reason == 2  # LENGTH: finished normally, not cut off
+        assert sum(len(c.token_ids) for c in [first, *rest]) == 400
+        assert rest[-1].finish_reason is FinishReason.LENGTH  # finished normally, not cut off
         assert spare.popen.wait(timeout=60) == 0
     finally:
         if spare.popen.poll() is None:
