@@ -102,6 +102,17 @@ def first_logprobs_fields(result) -> dict:
     return fields
 
 
+def starts_to_proto(starts) -> list[common_pb2.CompletionStart]:
+    """prefill_batcher.Start list -> CompletionStart messages."""
+    messages = []
+    for start in starts:
+        message = common_pb2.CompletionStart(token_id=start.token, finish_reason=finish_to_proto(start.finish))
+        if start.logprobs is not None:
+            message.logprobs.CopyFrom(logprobs_to_proto(start.logprobs))
+        messages.append(message)
+    return messages
+
+
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         max_tokens=params.max_tokens,

@@ -24,11 +24,13 @@ def blocks_in_budget(budget_mb: int, kv_bytes_per_token: int, block_size: int) -
 
 
 class BlockAllocator:
-    """Free list of block ids. Not thread-safe: the owning event loop serialises calls."""
+    """Free list of block ids, with reference counts for blocks several sequences share (n completions
+    of one prompt). Not thread-safe: the owning event loop serialises calls."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._extra_refs: dict[int, int] = {}  # block -> holders beyond the first (absent: one holder)
         self.on_free = lambda: None  # called after every free(), e.g. to wake requests waiting for blocks
 
     @property
@@ -48,9 +50,25 @@ class BlockAllocator:
             return None
         return [self._free.pop() for _ in range(n)]
 
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of these (allocated) blocks: each holder frees them once."""
+        for block in blocks:
+            self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
+
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-        if blocks:
+        """Drops one holder of each block; a block returns to the free list with its last holder."""
+        released = []
+        for block in blocks:
+            extra = self._extra_refs.get(block, 0)
+            if extra:
+                if extra == 1:
+                    del self._extra_refs[block]
+                else:
+                    self._extra_refs[block] = extra - 1
+            else:
+                released.append(block)
+        self._free.extend(reversed(released))
+        if released:
             self.on_free()
 
 
@@ -108,6 +126,19 @@ class PagedKvCache:
         blocks = torch.tensor(table[:nb], dtype=torch.long)
         offsets = torch.arange(self.block_size, dtype=torch.long)
         return (blocks[:, None] * self.block_size + offsets).flatten()[:num_tokens]
+
+    def fork_table(self, parent_table: list[int], num_tokens: int, own_blocks: list[int]) -> list[int]:
+        """A block table for a sequence that continues from the parent's first num_tokens tokens of KV.
+
+        The parent's full blocks are shared (reference-counted: each table frees them once). The partly
+        filled last block is copied into own_blocks[0]: copy-on-write, done at the fork because the
+        child writes its next token there. own_blocks must cover the child's tokens past the full blocks.
+        """
+        num_full = num_tokens // self.block_size
+        self.allocator.share(parent_table[:num_full])
+        if num_tokens % self.block_size:
+            self.storage[:, :, own_blocks[0]] = self.storage[:, :, parent_table[num_full]]
+        return parent_table[:num_full] + own_blocks
 
     def write_prompt(self, table: list[int], kv: torch.Tensor) -> None:
         """Copies a contiguous prompt KV into the sequence's blocks.

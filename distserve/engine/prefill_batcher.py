@@ -24,6 +24,7 @@ from distserve.engine.sampling import (
     FinishReason,
     SamplingParams,
     banned_token_ids,
+    completion_params,
     finish_reason_for,
     sample_token,
 )
@@ -70,6 +71,21 @@ class PrefillResult:
     num_chunks: int
     first_token_logprobs: TokenLogprobs | None = None  # when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs] | None = None  # positions 1.. of the prompt, when asked for
+    starts: list[Start] = dataclasses.field(default_factory=list)  # n > 1: every completion's first token
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """A completion's first token, sampled from the prompt's last logits."""
+
+    token: int
+    finish: FinishReason | None
+    logprobs: TokenLogprobs | None = None
+
+
+def result_start(result: PrefillResult) -> Start:
+    """The first (or only) completion's start."""
+    return Start(result.first_token, result.finish_reason, result.first_token_logprobs)
 
 
 @dataclasses.dataclass
@@ -86,6 +102,7 @@ class _Pending:
     started_at: float = 0.0
     started_ns: int = 0
     next_token: int | None = None  # known already (a migrated request): returned instead of sampling
+    num_completions: int = 1  # n: completions started from this prompt (completion i seeded seed + i)
     prompt_logprobs: list[TokenLogprobs] | None = None  # grows chunk by chunk when params.prompt_logprobs is set
 
     @property
@@ -134,16 +151,19 @@ class PrefillBatcher:
     def outstanding_tokens(self) -> int:
         return self.num_running_tokens + sum(p.num_remaining for p in self._waiting)
 
-    async def submit(self, prompt: list[int], params: SamplingParams, next_token: int | None = None) -> PrefillResult:
+    async def submit(self, prompt: list[int], params: SamplingParams, next_token: int | None = None,
+                     num_completions: int = 1) -> PrefillResult:
         """Queues a prompt and waits for its result; cancelling drops it from the queue.
 
         With `next_token` (a migrated request: `prompt` is the prompt plus the completion so far, less
         the last token) nothing is sampled: the result's first token is `next_token`, unfinished.
+        With num_completions > 1, result.starts has each completion's first token (see completion_params).
         Raises QueueFull at once when the queue is at its cap (an empty queue takes any prompt)."""
         queued = self.outstanding_tokens
         if self.max_queued_tokens and queued and queued + len(prompt) > self.max_queued_tokens:
             raise QueueFull(f"prefill queue is full: {queued} prompt tokens outstanding, cap {self.max_queued_tokens}")
-        pending = _Pending(prompt, params, asyncio.get_running_loop().create_future(), next_token=next_token)
+        pending = _Pending(prompt, params, asyncio.get_running_loop().create_future(), next_token=next_token,
+                           num_completions=num_completions)
         self._waiting.append(pending)
         self._wakeup.set()
         return await pending.future
@@ -273,16 +293,24 @@ class PrefillBatcher:
         if pending.next_token is not None:
             return self._packaged(pending, pending.next_token, None, ended, end_ns, batch_size, batch_tokens)
         try:
-            token = sample_token(logits, params, 0, banned_token_ids(params, self._eos_ids, 0),
-                                 prompt_token_ids=pending.prompt, output_token_ids=())
+            starts = [self._start(logits, completion_params(params, i), pending.prompt)
+                      for i in range(pending.num_completions)]
         except Exception as exc:  # e.g. non-finite probabilities: fails this request only
             return exc
-        finish = finish_reason_for(token, 1, len(pending.prompt) + 1, params, self._eos_ids, self._max_context)
-        result = self._packaged(pending, token, finish, ended, end_ns, batch_size, batch_tokens)
-        if params.logprobs is not None:
-            result.first_token_logprobs = token_logprobs(logits, token, params.logprobs)
+        result = self._packaged(pending, starts[0].token, starts[0].finish, ended, end_ns, batch_size, batch_tokens)
+        result.first_token_logprobs = starts[0].logprobs
         result.prompt_logprobs = pending.prompt_logprobs
+        if len(starts) > 1:
+            result.starts = starts
         return result
+
+    def _start(self, logits: torch.Tensor, params: SamplingParams, prompt: list[int]) -> Start:
+        """Samples a completion's first token from the prompt's last logits [V] (left unmodified)."""
+        token = sample_token(logits, params, 0, banned_token_ids(params, self._eos_ids, 0),
+                             prompt_token_ids=prompt, output_token_ids=())
+        finish = finish_reason_for(token, 1, len(prompt) + 1, params, self._eos_ids, self._max_context)
+        logprobs = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
+        return Start(token, finish, logprobs)
 
     @staticmethod
     def _packaged(pending: _Pending, token: int, finish: FinishReason | None, ended: float, end_ns: int,

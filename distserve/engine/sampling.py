@@ -63,6 +63,14 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
+def completion_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of completion `index` of n from one prompt: seeded seed + index (so n seeded
+    completions differ from each other and are each reproducible); completion 0 keeps params."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
+
+
 def _generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "kv_handle_id", "prompt_token_ids", "first_token_id", "sampling", "output_token_ids", "kv_secret")
+    __slots__ = ("request_id", "kv_handle_id", "prompt_token_ids", "first_token_id", "sampling", "output_token_ids", "kv_secret", "starts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_SECRET_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_handle_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,19 +24,22 @@ class DecodeRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_secret: str
-    def __init__(self, request_id: _Optional[str] = ..., kv_handle_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_secret: _Optional[str] = ...) -> None: ...
+    starts: _containers.RepeatedCompositeFieldContainer[_common_pb2.CompletionStart]
+    def __init__(self, request_id: _Optional[str] = ..., kv_handle_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_secret: _Optional[str] = ..., starts: _Optional[_Iterable[_Union[_common_pb2.CompletionStart, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "timings", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "timings", "logprobs", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     timings: _common_pb2.Timings
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GetDecodeStatsRequest(_message.Message):
     __slots__ = ()

@@ -8,23 +8,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_handle_id", "output_token_ids", "kv_secret")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_handle_id", "output_token_ids", "kv_secret", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_SECRET_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     kv_handle_id: str
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_secret: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle_id: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_secret: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle_id: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_secret: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "finish_reason", "kv_handle_id", "kv_layout", "timings", "first_token_logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "first_token_id", "finish_reason", "kv_handle_id", "kv_layout", "timings", "first_token_logprobs", "prompt_logprobs", "starts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +35,7 @@ class PrefillResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     finish_reason: _common_pb2.FinishReason
@@ -41,7 +44,8 @@ class PrefillResponse(_message.Message):
     timings: _common_pb2.Timings
     first_token_logprobs: _common_pb2.TokenLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv_handle_id: _Optional[str] = ..., kv_layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    starts: _containers.RepeatedCompositeFieldContainer[_common_pb2.CompletionStart]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv_handle_id: _Optional[str] = ..., kv_layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., starts: _Optional[_Iterable[_Union[_common_pb2.CompletionStart, _Mapping]]] = ...) -> None: ...
 
 class GetPrefillStatsRequest(_message.Message):
     __slots__ = ()

@@ -12,6 +12,7 @@ import torch
 from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
+from distserve.engine.sampling import completion_params
 from distserve.engine.model_spec import DTYPES, ModelSpec
 from distserve.metrics import DecodeMetrics
 from distserve.transfer.connector import KvConsumer, TransferError
@@ -33,6 +34,12 @@ def request_error(request, spec: ModelSpec) -> str | None:
         return f"first_token_id: {request.first_token_id} is outside the vocabulary"
     if request.sampling.HasField("max_tokens") and request.sampling.max_tokens <= 0:
         return "sampling.max_tokens: must be > 0"
+    if request.starts and request.starts[0].token_id != request.first_token_id:
+        return "starts: the first one must be first_token_id"
+    if len(request.starts) > 1 and len(request.output_token_ids) > 1:
+        return "starts: a migrated request (output_token_ids set) continues one completion"
+    if any(not 0 <= s.token_id < spec.vocab_size for s in request.starts):
+        return "starts: a token id is outside the vocabulary"
     outputs = request.output_token_ids
     if outputs and outputs[-1] != request.first_token_id:
         return "output_token_ids: the last one must be first_token_id"
@@ -41,6 +48,36 @@ def request_error(request, spec: ModelSpec) -> str | None:
     if outputs and request.sampling.HasField("max_tokens") and len(outputs) >= request.sampling.max_tokens:
         return f"output_token_ids: {len(outputs)} tokens already reach sampling.max_tokens"
     return None
+
+
+async def merged(streams):
+    """Several async iterators as one: (which, item) as items arrive; an error in one raises here
+    (the others are cancelled)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(which: int, stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put((which, item))
+            await queue.put((which, done))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((which, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            which, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield which, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def completion_so_far(request) -> list[int]:
@@ -77,6 +114,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         error = request_error(request, self._spec)
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        if len(request.starts) > 1:
+            async for response in self._decode_many(request, context):
+                yield response
+            return
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
@@ -115,6 +156,62 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     self._engine.abort(seq)
             else:
                 self._engine.scheduler.allocator.free(seq.block_table)
+
+    async def _decode_many(self, request, context):
+        """n completions of one prompt: the KV is pulled once into the first unfinished completion's
+        blocks and the others fork from it (shared full blocks, own copy of the partial one). Each
+        reserves its whole life up front, so none is preempted (an n > 1 request is not migrated).
+        Streams every completion's tokens, each message tagged with its index."""
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        base = sampling_from_proto(request.sampling)
+        starts = [(i, s) for i, s in enumerate(request.starts)
+                  if s.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED]
+        seqs = [Sequence(rid, prompt + [s.token_id], len(prompt), completion_params(base, i), [], asyncio.Queue())
+                for i, s in starts]
+        indexes = [i for i, _ in starts]
+        cache, in_engine, owns_handle = self._engine.kv_cache, False, False
+        try:
+            with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id,
+                                                 "distserve.completions": len(seqs)}):
+                shared = len(prompt) // cache.block_size  # full prompt blocks every completion shares
+                seqs[0].block_table = await self._reserve_blocks(len(prompt), base.max_tokens, True, context)
+                for seq in seqs[1:]:
+                    own = self._engine.scheduler.blocks_for_life(len(prompt), base.max_tokens) - shared
+                    seq.block_table = await self._reserve_exact(own, context)
+                handle = await self._claim(request, context)
+                owns_handle = True
+                transfer_s = await self._load_kv(handle, seqs[0], request.kv_secret, context)
+                for seq in seqs[1:]:
+                    seq.block_table = cache.fork_table(seqs[0].block_table, len(prompt), seq.block_table)
+            release = self._broker.release_soon(request.kv_handle_id, "received", rid)
+            owns_handle = False
+            for seq in seqs:
+                seq.loaded_at = time.monotonic()
+                self._engine.add(seq)
+            in_engine = True
+            with tracing.span("stream", rid):
+                async for response in merged(self._stream(seq, transfer_s) for seq in seqs):
+                    index, message = response
+                    message.index = indexes[index]
+                    yield message
+            for seq in seqs:
+                self._record_finish(seq, seq.finish_reason)
+            await asyncio.wait([release])
+        finally:
+            if owns_handle:
+                self._broker.release_soon(request.kv_handle_id, "cancelled", rid)
+            for seq in seqs:
+                if in_engine:
+                    if seq.finish_reason is None:
+                        self._engine.abort(seq)
+                else:
+                    self._engine.scheduler.allocator.free(seq.block_table)
+
+    async def _reserve_exact(self, num_blocks: int, context) -> list[int]:
+        try:
+            return await asyncio.wait_for(self._engine.reserve(num_blocks), self._config.admission_timeout_s)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no {num_blocks} free KV blocks in time")
 
     async def _claim(self, request, context) -> kvbroker_pb2.KvHandle:
         try:

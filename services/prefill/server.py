@@ -11,13 +11,13 @@ import grpc
 
 from distserve import tracing
 from distserve.broker_client import BrokerClient
-from distserve.convert import finish_to_proto, first_logprobs_fields, sampling_from_proto
+from distserve.convert import finish_to_proto, first_logprobs_fields, sampling_from_proto, starts_to_proto
 from distserve.engine.sampling import SamplingParams
 from distserve.engine.model_spec import DTYPES, ModelSpec, prompt_error
 from distserve.metrics import PrefillMetrics
 from distserve.transfer.connector import KvProducer
 from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
-from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult, QueueFull, QueueTimeout
+from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult, QueueFull, QueueTimeout, result_start
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 
@@ -52,7 +52,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 "distserve.prefill.queue.prompts_ahead": self._batcher.num_waiting + self._batcher.num_running,
                 "distserve.prefill.queue.tokens_ahead": self._batcher.outstanding_tokens})
             try:
-                result = await self._batcher.submit(prompt, params, next_token)
+                result = await self._batcher.submit(prompt, params, next_token, max(request.n, 1))
             except QueueFull as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except QueueTimeout as exc:
@@ -65,8 +65,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if "logprobs" in fields:
                 response.first_token_logprobs.CopyFrom(fields["logprobs"][0])
             response.prompt_logprobs.extend(fields.get("prompt_logprobs", []))
-            if result.finish_reason is not None:
-                return response
+            response.starts.extend(starts_to_proto(result.starts))
+            if all(start.finish is not None for start in result.starts or [result_start(result)]):
+                return response  # no completion goes on to decode: no KV to hold
             response.kv_handle_id = request.kv_handle_id or uuid.uuid4().hex
             response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))
             await self._register(request, response, result.kv, context)
@@ -85,6 +86,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             error = error and error.replace("prompt_token_ids", "output_token_ids")
         if request.kv_handle_id and not HANDLE_ID.fullmatch(request.kv_handle_id):
             error = "kv_handle_id: must be 1 to 64 characters of [A-Za-z0-9_-]"
+        if not error and request.n > 1 and outputs:
+            error = "n: a migrated request (output_token_ids set) continues one completion"
         if error or params.max_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error or "sampling.max_tokens: must be > 0")
         return tokens, params, (outputs[-1] if outputs else None)

@@ -36,18 +36,38 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
 
 
 @dataclasses.dataclass
+class _Completion:
+    """One of the request's n completions, as streamed to the client."""
+
+    text: TextStream
+    outputs: list[int] = dataclasses.field(default_factory=list)  # completion tokens streamed so far
+    finish: FinishReason | None = None
+    cumulative_logprob: float = 0.0  # of the tokens streamed (when logprobs are computed)
+    held: list[router_pb2.GenerateResponse] = dataclasses.field(default_factory=list)  # best_of: until chosen
+
+
+@dataclasses.dataclass
 class _Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    text: TextStream
+    completions: list[_Completion]
     started: float
-    num_completion: int = 0
+    num_returned: int = 1  # n: completions the client gets (best_of: the best n of len(completions))
     last_message_at: float = 0.0
-    outputs: list[int] = dataclasses.field(default_factory=list)  # completion tokens streamed so far
     num_retries: int = 0
     timings: common_pb2.Timings = dataclasses.field(default_factory=common_pb2.Timings)
     echo_text: str | None = None  # the prompt text to send back on the first message (echo)
+    strip_logprobs: bool = False  # computed only to rank best_of completions: not sent
+
+    @property
+    def outputs(self) -> list[int]:
+        """The first completion's tokens so far (a migrated request has one completion)."""
+        return self.completions[0].outputs
+
+    @property
+    def all_finished(self) -> bool:
+        return all(c.finish is not None for c in self.completions)
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -72,12 +92,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 req = await self._accept(request, request_id, context)
                 colocated = await self._route_colocated(req, context)
                 if colocated is not None:
-                    async for message in self._run_colocated(req, colocated, context):
-                        yield message
-                    return
-                prefill_worker, decode_worker = await self._route(req, context)
-                async for message in self._run(req, prefill_worker, decode_worker, context):
-                    yield message
+                    messages = self._run_colocated(req, colocated, context)
+                else:
+                    prefill_worker, decode_worker = await self._route(req, context)
+                    messages = self._run(req, prefill_worker, decode_worker, context)
+                async for message in messages:
+                    for released in self._released(req, message):
+                        yield released
         finally:
             self._metrics.running.dec()
 
@@ -94,7 +115,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             "gen_ai.request.top_p": params.top_p, "gen_ai.request.seed": params.seed or 0,
             "gen_ai.usage.input_tokens": len(prompt), **({"user.id": request.user} if request.user else {})})
         self._metrics.prompt_tokens.inc(len(prompt))
-        req = _Request(request_id, prompt, params, TextStream(self._tokenizer, params.stop), time.monotonic())
+        num_returned = max(request.n, 1)
+        num_generated = max(request.best_of, num_returned)
+        strip_logprobs = num_generated > num_returned and params.logprobs is None
+        if strip_logprobs:
+            params = dataclasses.replace(params, logprobs=0)  # best_of ranks by cumulative logprob
+        req = _Request(request_id, prompt, params,
+                       [_Completion(TextStream(self._tokenizer, params.stop)) for _ in range(num_generated)],
+                       time.monotonic(), num_returned=num_returned, strip_logprobs=strip_logprobs)
         if request.echo:
             req.echo_text = (request.text if request.WhichOneof("prompt") == "text"
                              else self._tokenizer.decode(prompt))
@@ -108,6 +136,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """The colocated worker to send the whole request to, or None for the prefill/decode path."""
         if not self._picker.workers("colocated"):
             return None
+        if len(req.completions) > 1:
+            if self._picker.workers("decode"):
+                return None  # n > 1 shares one prompt's KV on a decode worker
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               "n: colocated workers serve one completion per request (n = 1, no best_of)")
         num_tokens = self._kv_tokens(req)
         colocated = self._picker.pick_colocated(num_tokens)
         prefill = self._picker.pick_prefill() if self._picker.workers("decode") else None
@@ -224,25 +257,32 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         with self._picker.track(prefill_worker, len(req.prompt) + len(req.outputs)):
             first = await self._prefill(req, prefill_worker, handle_id, secret)
         if not req.outputs:
-            message = self._first_message(req, first, prefill_worker, decode_worker)
-            yield message
-            if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            for message in self._first_messages(req, first, prefill_worker, decode_worker):
+                yield message
+            if req.all_finished:
                 if first.kv_handle_id:  # a stop string on the first token leaves KV held
                     self._broker.release_soon(handle_id, "finished", req.request_id)
                 return
         async for message in self._decode(req, first, decode_worker, secret):
             yield message
 
-    def _first_message(self, req: _Request, first, prefill_worker: WorkerRecord,
-                       decode_worker: WorkerRecord) -> router_pb2.GenerateResponse:
+    def _first_messages(self, req: _Request, first, prefill_worker: WorkerRecord,
+                        decode_worker: WorkerRecord) -> list[router_pb2.GenerateResponse]:
+        """A message per completion with its first token; the first one carries the request's extras."""
         req.timings.MergeFrom(first.timings)
         req.timings.first_token_s = time.monotonic() - req.started
         self._metrics.ttft.observe(req.timings.first_token_s)
-        logprobs = [first.first_token_logprobs] if first.HasField("first_token_logprobs") else []
-        message = self._chunk(req, [first.first_token_id], finish_from_proto(first.finish_reason), logprobs)
-        message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
-        self._add_prompt_fields(req, message, first.prompt_logprobs)
-        return message
+        starts = first.starts or [common_pb2.CompletionStart(
+            token_id=first.first_token_id, finish_reason=first.finish_reason,
+            logprobs=first.first_token_logprobs if first.HasField("first_token_logprobs") else None)]
+        messages = []
+        for index, start in enumerate(starts):
+            logprobs = [start.logprobs] if start.HasField("logprobs") else []
+            messages.append(self._chunk(req, [start.token_id], finish_from_proto(start.finish_reason), logprobs,
+                                        index))
+        messages[0].prefill_worker, messages[0].decode_worker = prefill_worker.worker_id, decode_worker.worker_id
+        self._add_prompt_fields(req, messages[0], first.prompt_logprobs)
+        return messages
 
     def _add_prompt_fields(self, req: _Request, message: router_pb2.GenerateResponse, prompt_logprobs) -> None:
         """The first message's prompt extras: echo and prompt logprobs."""
@@ -256,8 +296,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """New workers for a request whose `failure.stage` failed; aborts the call when the failure is
         not one another worker can make up for, or the request is out of retries."""
         worker = failure.worker
-        if not failure.retryable or req.num_retries >= self._config.max_retries:
-            await self._abort_for(failure, context)
+        midway_many = len(req.completions) > 1 and any(c.outputs for c in req.completions)
+        if not failure.retryable or req.num_retries >= self._config.max_retries or midway_many:
+            await self._abort_for(failure, context)  # (n > 1 requests are retried only before any token)
         if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._picker.mark_suspect(worker)
         req.num_retries += 1
@@ -293,7 +334,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         params = dataclasses.replace(req.params, prompt_logprobs=None) if req.outputs else req.params
         call = prefill_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
                                           sampling=sampling_to_proto(params), kv_handle_id=handle_id,
-                                          output_token_ids=req.outputs, kv_secret=secret)
+                                          output_token_ids=req.outputs, kv_secret=secret,
+                                          n=len(req.completions))
         try:
             return await stub.Prefill(call, timeout=self._config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -305,21 +347,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         call = stub.Decode(decode_pb2.DecodeRequest(
             request_id=req.request_id, kv_handle_id=first.kv_handle_id, prompt_token_ids=req.prompt,
             first_token_id=first.first_token_id, sampling=sampling_to_proto(req.params),
-            output_token_ids=req.outputs, kv_secret=secret,
+            output_token_ids=req.outputs, kv_secret=secret, starts=first.starts,
         ), timeout=self._config.request_timeout_s)
         try:
             while (response := await self._next_message(call, worker)) is not grpc.aio.EOF:
+                if req.completions[response.index].finish is not None:
+                    continue  # a stop string ended this completion here; the worker went on with it
                 finish = finish_from_proto(response.finish_reason)
                 if finish is not None:
                     req.timings.MergeFrom(response.timings)
-                message = self._chunk(req, list(response.token_ids), finish, response.logprobs)
+                message = self._chunk(req, list(response.token_ids), finish, response.logprobs, response.index)
                 yield message
-                if finish is not None:
-                    async for _ in call:  # the worker's stream ends right after its last message;
-                        pass              # waiting for that keeps its spans inside this request's
-                    return
-                if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    return  # a stop string ended it first: the finally cancels the worker's call
+                if req.all_finished:
+                    if finish is not None:
+                        async for _ in call:  # the worker's stream ends right after its last message;
+                            pass              # waiting for that keeps its spans inside this request's
+                    return  # else a stop string ended it first: the finally cancels the worker's call
         except grpc.aio.AioRpcError as exc:
             raise StageFailed.of(exc, worker, "decode") from exc
         finally:
@@ -334,45 +377,78 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise StageFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no message for {self._config.decode_idle_timeout_s:g}s", worker, "decode") from None
 
-    def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None,
-               logprobs=()) -> router_pb2.GenerateResponse:
-        """The client's message for tokens from a worker (logprobs: parallel to them, or empty); tokens
-        after a stop string are dropped, with their logprobs."""
+    def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None, logprobs=(),
+               index: int = 0) -> router_pb2.GenerateResponse:
+        """The client's message for completion `index`'s tokens from a worker (logprobs: parallel to
+        them, or empty); tokens after a stop string are dropped, with their logprobs."""
+        completion = req.completions[index]
         now = time.monotonic()
-        if req.num_completion and token_ids:
+        if req.last_message_at and token_ids:
             for _ in token_ids:
                 self._metrics.itl.observe((now - req.last_message_at) / len(token_ids))
         req.last_message_at = now
         text, kept = "", []
         for token in token_ids:  # one at a time: tokens after a stop string are not part of the answer
             kept.append(token)
-            text += req.text.add([token])
-            if req.text.stopped:
+            text += completion.text.add([token])
+            if completion.text.stopped:
                 finish = FinishReason.STOP
                 break
-        token_ids = kept
-        req.outputs.extend(token_ids)
-        req.num_completion += len(token_ids)
+        token_ids, logprobs = kept, list(logprobs)[:len(kept)]
+        completion.outputs.extend(token_ids)
+        completion.cumulative_logprob += sum(entry.logprob for entry in logprobs)
         self._metrics.generation_tokens.inc(len(token_ids))
         if finish is not None:
-            text += req.text.flush()
+            text += completion.text.flush()
         message = router_pb2.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text,
-                                              finish_reason=finish_to_proto(finish),
-                                              logprobs=list(logprobs)[:len(token_ids)])
+                                              finish_reason=finish_to_proto(finish), index=index,
+                                              logprobs=[] if req.strip_logprobs else logprobs)
         if finish is not None:
-            self._finish(req, finish, message)
+            completion.finish = finish
+            self._finish(req, completion, message)
         return message
 
-    def _finish(self, req: _Request, finish: FinishReason, message) -> None:
-        message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=req.num_completion))
+    def _finish(self, req: _Request, completion: _Completion, message) -> None:
+        """Usage (this completion's tokens) and timings on its last message; the request's metrics, span
+        attributes and log line once its last completion finishes."""
+        message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt),
+                                                completion_tokens=len(completion.outputs)))
         message.timings.CopyFrom(req.timings)
+        self._metrics.success.labels(finished_reason=completion.finish.value).inc()
+        if not req.all_finished:
+            return
         e2e_s = time.monotonic() - req.started
         self._metrics.e2e.observe(e2e_s)
-        self._metrics.success.labels(finished_reason=finish.value).inc()
-        trace.get_current_span().set_attributes({"gen_ai.usage.output_tokens": req.num_completion,
-                                                 "gen_ai.response.finish_reasons": [finish.value]})
+        num_tokens = sum(len(c.outputs) for c in req.completions)
+        reasons = [c.finish.value for c in req.completions]
+        trace.get_current_span().set_attributes({"gen_ai.usage.output_tokens": num_tokens,
+                                                 "gen_ai.response.finish_reasons": reasons})
         log.info("finish request_id=%s reason=%s completion_tokens=%d e2e_s=%.4f", req.request_id,
-                 finish.value, req.num_completion, e2e_s)
+                 ",".join(reasons), num_tokens, e2e_s)
+
+    def _released(self, req: _Request, message: router_pb2.GenerateResponse) -> list[router_pb2.GenerateResponse]:
+        """What the client gets of a message: itself, or with best_of, nothing until every completion
+        has finished, then the n with the highest cumulative logprob, in that order as indexes 0..n-1."""
+        if len(req.completions) == req.num_returned:
+            return [message]
+        req.completions[message.index].held.append(message)
+        if not req.all_finished:
+            return []
+        ranked = sorted(range(len(req.completions)), key=lambda i: -req.completions[i].cumulative_logprob)
+        released = []
+        for new_index, old_index in enumerate(ranked[:req.num_returned]):
+            for held in req.completions[old_index].held:
+                held.index = new_index
+                released.append(held)
+        first = req.completions[0].held[0]  # the request's extras ride on the first message sent
+        if released and released[0] is not first:
+            for field in ("prefill_worker", "decode_worker", "prompt_text"):
+                setattr(released[0], field, getattr(first, field))
+            released[0].prompt_token_ids.extend(first.prompt_token_ids)
+            released[0].prompt_logprobs.extend(first.prompt_logprobs)
+            for field in ("prefill_worker", "decode_worker", "prompt_text", "prompt_token_ids", "prompt_logprobs"):
+                first.ClearField(field)
+        return released
 
     async def _refuse(self, context, code: grpc.StatusCode, details: str) -> None:
         """Ends the call with `code` before any worker was called."""
