@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs
 from distserve.engine.model_runner import DecodeWork, ModelRunner
@@ -52,7 +53,8 @@ class NoCapacity(RuntimeError):
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, kv_cache: PagedKvCache, scheduler: DecodeScheduler,
-                 eos_ids: tuple[int, ...], max_context: int, wakeup: asyncio.Event | None = None):
+                 eos_ids: tuple[int, ...], max_context: int, wakeup: asyncio.Event | None = None,
+                 grammars: LazyGrammarCompiler | None = None):
         """`wakeup` is set whenever a sequence arrives or is aborted (pass a shared one when another
         loop, such as the colocated engine's, drives this engine instead of `run`)."""
         self.runner = runner
@@ -60,6 +62,7 @@ class DecodeEngine:
         self.scheduler = scheduler
         self._eos_ids = eos_ids
         self._max_context = max_context
+        self.grammars = grammars  # builds grammar states for constrained sequences (None: refused)
         self._wakeup = wakeup or asyncio.Event()
         self._blocks_freed = asyncio.Event()
         scheduler.allocator.on_free = self._blocks_freed.set
@@ -162,7 +165,17 @@ class DecodeEngine:
         logprobs of the sequences that asked for them (raw logits: see distserve.engine.logprobs)."""
         wants_logprobs = [b for b, seq in enumerate(batch) if seq.params.logprobs is not None]
         raw = logits[wants_logprobs] if wants_logprobs else None  # [N, V], a copy taken before any mask
+        grammars = [seq.grammar for seq in batch]
+        if any(g is not None for g in grammars):
+            from distserve.engine.structured import mask_logits  # loaded with the first constrained request
+            mask_logits(logits, grammars)  # in place: disallowed tokens -inf in constrained rows
         tokens = self._sample_tokens(batch, logits)
+        for b, grammar in enumerate(grammars):
+            if grammar is not None and not isinstance(tokens[b], Exception):
+                try:
+                    grammar.accept(tokens[b])
+                except Exception as exc:  # cannot happen with a correct mask; fails this sequence only
+                    tokens[b] = exc
         logprobs: list[TokenLogprobs | None] = [None] * len(batch)
         for row, b in enumerate(wants_logprobs):  # a row each: sequences ask for their own number of alternatives
             if not isinstance(tokens[b], Exception):
@@ -173,7 +186,7 @@ class DecodeEngine:
         greedy = logits.argmax(-1).tolist()  # one batched argmax serves every plain greedy sequence
         tokens: list[int | Exception] = []
         for b, seq in enumerate(batch):
-            banned = banned_token_ids(seq.params, self._eos_ids, seq.num_generated)
+            banned = banned_token_ids(seq.params, self._eos_ids, seq.num_generated, seq.grammar is not None)
             if seq.params.is_greedy and not banned and not seq.params.has_penalties:
                 tokens.append(greedy[b])
                 continue
@@ -198,8 +211,8 @@ class DecodeEngine:
                 continue
             seq.tokens.append(token)
             seq.finish_reason = finish_reason_for(
-                token, seq.num_generated, len(seq.tokens), seq.params, self._eos_ids, self._max_context
-            )
+                token, seq.num_generated, len(seq.tokens), seq.params, self._eos_ids, self._max_context,
+                seq.grammar is not None and seq.grammar.is_terminated)
             seq.outputs.put_nowait(([token], seq.finish_reason, [token_logprobs] if token_logprobs else []))
         for seq in self.scheduler.retire_finished():
             seq.finished_at = time.monotonic()

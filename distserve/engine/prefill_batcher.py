@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs, token_logprobs
 from distserve.engine.model_runner import ModelRunner, PrefillWork
 from distserve.engine.sampling import (
@@ -28,6 +30,9 @@ from distserve.engine.sampling import (
     finish_reason_for,
     sample_token,
 )
+
+if TYPE_CHECKING:
+    from distserve.engine.structured import GrammarState
 
 MAX_SKIPS = 4
 
@@ -72,6 +77,7 @@ class PrefillResult:
     first_token_logprobs: TokenLogprobs | None = None  # when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs] | None = None  # positions 1.. of the prompt, when asked for
     starts: list[Start] = dataclasses.field(default_factory=list)  # n > 1: every completion's first token
+    grammar: GrammarState | None = None  # the first completion's grammar state, past its first token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,7 @@ class Start:
     token: int
     finish: FinishReason | None
     logprobs: TokenLogprobs | None = None
+    grammar: GrammarState | None = None  # when the output is constrained: past this token
 
 
 def result_start(result: PrefillResult) -> Start:
@@ -125,7 +132,8 @@ class _Slice:
 
 class PrefillBatcher:
     def __init__(self, runner: ModelRunner, eos_ids: tuple[int, ...], max_context: int, max_batch_tokens: int,
-                 wakeup: asyncio.Event | None = None, max_queued_tokens: int = 0, queue_timeout_s: float = 0.0):
+                 wakeup: asyncio.Event | None = None, max_queued_tokens: int = 0, queue_timeout_s: float = 0.0,
+                 grammars: LazyGrammarCompiler | None = None):
         """`wakeup` is set whenever a prompt arrives (pass a shared one when another loop, such as
         the colocated engine's, drives this batcher instead of `run`). `max_queued_tokens` caps the
         outstanding prompt tokens (QueueFull beyond it; 0: no cap); a prompt no forward has started on
@@ -135,6 +143,7 @@ class PrefillBatcher:
         self._runner = runner
         self._eos_ids = eos_ids
         self._max_context = max_context
+        self._grammars = grammars  # builds grammar states for constrained requests (None: refused)
         self.max_batch_tokens = max_batch_tokens
         self._waiting: list[_Pending] = []
         self._wakeup = wakeup or asyncio.Event()
@@ -298,19 +307,32 @@ class PrefillBatcher:
         except Exception as exc:  # e.g. non-finite probabilities: fails this request only
             return exc
         result = self._packaged(pending, starts[0].token, starts[0].finish, ended, end_ns, batch_size, batch_tokens)
-        result.first_token_logprobs = starts[0].logprobs
+        result.first_token_logprobs, result.grammar = starts[0].logprobs, starts[0].grammar
         result.prompt_logprobs = pending.prompt_logprobs
         if len(starts) > 1:
             result.starts = starts
         return result
 
     def _start(self, logits: torch.Tensor, params: SamplingParams, prompt: list[int]) -> Start:
-        """Samples a completion's first token from the prompt's last logits [V] (left unmodified)."""
-        token = sample_token(logits, params, 0, banned_token_ids(params, self._eos_ids, 0),
+        """Samples a completion's first token from the prompt's last logits [V] (left unmodified); a
+        constrained one from the tokens its grammar allows."""
+        grammar, allowed = None, logits
+        if params.structured is not None:
+            from distserve.engine.structured import mask_logits  # xgrammar loads with the first grammar
+            if self._grammars is None:
+                raise ValueError("structured_output: this worker has no grammar compiler")
+            grammar = self._grammars.matcher(params.structured)
+            allowed = logits[None].clone()  # [1, V]
+            mask_logits(allowed, [grammar])
+            allowed = allowed[0]
+        token = sample_token(allowed, params, 0, banned_token_ids(params, self._eos_ids, 0, grammar is not None),
                              prompt_token_ids=prompt, output_token_ids=())
-        finish = finish_reason_for(token, 1, len(prompt) + 1, params, self._eos_ids, self._max_context)
+        if grammar is not None:
+            grammar.accept(token)
+        finish = finish_reason_for(token, 1, len(prompt) + 1, params, self._eos_ids, self._max_context,
+                                   grammar is not None and grammar.is_terminated)
         logprobs = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
-        return Start(token, finish, logprobs)
+        return Start(token, finish, logprobs, grammar)
 
     @staticmethod
     def _packaged(pending: _Pending, token: int, finish: FinishReason | None, ended: float, end_ns: int,

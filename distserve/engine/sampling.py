@@ -123,9 +123,12 @@ def apply_penalties(
     return logits
 
 
-def banned_token_ids(params: SamplingParams, eos_ids: tuple[int, ...], num_generated: int) -> list[int]:
-    """Tokens that may not be drawn yet because min_tokens is not reached."""
-    if num_generated >= params.min_tokens:
+def banned_token_ids(params: SamplingParams, eos_ids: tuple[int, ...], num_generated: int,
+                     constrained: bool = False) -> list[int]:
+    """Tokens that may not be drawn yet because min_tokens is not reached. None for a constrained
+    (grammar) sequence: its grammar alone says when it may stop, and banning the stop tokens where they
+    are all the grammar allows would leave nothing to draw."""
+    if num_generated >= params.min_tokens or constrained:
         return []
     banned = list(params.stop_token_ids)
     if not params.ignore_eos:
@@ -169,11 +172,15 @@ def finish_reason_for(
     params: SamplingParams,
     eos_ids: tuple[int, ...],
     max_context: int,
+    grammar_terminated: bool = False,
 ) -> FinishReason | None:
     """Whether the request ends with `token`, its num_generated-th completion token.
 
-    total_len counts prompt and completion tokens so far (including `token`).
+    total_len counts prompt and completion tokens so far (including `token`). A constrained sequence
+    whose grammar took a stop token (grammar_terminated) ends, even with ignore_eos.
     """
+    if grammar_terminated:
+        return FinishReason.STOP
     if num_generated >= params.min_tokens:
         if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
             return FinishReason.STOP

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from distserve.engine.logprobs import TokenLogprobs
 from distserve.engine.sampling import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from distserve.engine.structured import GrammarState
 
 
 @dataclasses.dataclass
@@ -24,6 +27,7 @@ class Sequence:
     loaded_at: float = dataclasses.field(default_factory=time.monotonic)
     started_at: float = 0.0  # joined the running batch
     finished_at: float = 0.0
+    grammar: GrammarState | None = None  # a constrained sequence's grammar, past its tokens so far
 
     @property
     def num_generated(self) -> int:

@@ -16,6 +16,7 @@ from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.dtype import resolve_dtype
 from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
+from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
@@ -33,7 +34,7 @@ from services.colocated.server import ColocatedServicer
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: ColocatedConfig, model, spec: ModelSpec) -> ColocatedEngine:
+def build_engine(config: ColocatedConfig, model, spec: ModelSpec, grammars: LazyGrammarCompiler) -> ColocatedEngine:
     """A prefill batcher and a decode engine over one runner and one paged cache, driven by one loop."""
     dtype = DTYPES[config.dtype]
     num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
@@ -43,16 +44,17 @@ def build_engine(config: ColocatedConfig, model, spec: ModelSpec) -> ColocatedEn
     runner.warm_up()
     wakeup = asyncio.Event()
     prefill = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context,
-                             config.max_batch_tokens or saturation_tokens(config.device), wakeup)
+                             config.max_batch_tokens or saturation_tokens(config.device), wakeup, grammars=grammars)
     scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
-    decode = DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup)
+    decode = DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars)
     return ColocatedEngine(prefill, decode, wakeup)
 
 
 async def serve(config: ColocatedConfig) -> None:
     path = resolve_model_path(config.model)
     spec = load_model_spec(path)
-    engine = build_engine(config, load_engine_model(path, config.dtype, config.device), spec)
+    engine = build_engine(config, load_engine_model(path, config.dtype, config.device), spec,
+                          LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids))
     metrics = ColocatedMetrics()
     redis = redis_client.connect(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)

@@ -57,6 +57,7 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
                 if result.finish_reason is not None:
                     return
                 seq.tokens.append(result.first_token)
+                seq.grammar = result.grammar
                 self._engine.hand_off(result, seq)
                 in_engine = True
                 async for response in self._stream(seq):

@@ -15,6 +15,7 @@ from distserve.config import parse_config
 from distserve.cpus import apply_cpus
 from distserve.engine.dtype import resolve_dtype
 from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
+from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
@@ -35,7 +36,7 @@ from services.decode.server import DecodeServicer
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: DecodeConfig, model, spec: ModelSpec) -> DecodeEngine:
+def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGrammarCompiler) -> DecodeEngine:
     dtype = DTYPES[config.dtype]
     num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
@@ -44,8 +45,7 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec) -> DecodeEngine:
                                 config.reserve_ahead_tokens)
     runner = ModelRunner(model)
     runner.warm_up()
-    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids,
-                        spec.max_context)
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, grammars=grammars)
 
 
 async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:
@@ -65,7 +65,7 @@ async def serve(config: DecodeConfig) -> None:
     path = resolve_model_path(config.model)
     model = load_engine_model(path, config.dtype, config.device)
     spec = load_model_spec(path)
-    engine = build_engine(config, model, spec)
+    engine = build_engine(config, model, spec, LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids))
     metrics = DecodeMetrics()
     receiver = connector.make_consumer("ucx")
     redis = redis_client.connect(config.redis_url)

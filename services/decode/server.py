@@ -122,6 +122,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         prompt = list(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
         seq = Sequence(rid, prompt + completion_so_far(request), len(prompt), params, [], asyncio.Queue())
+        seq.grammar = await self._grammar_state(params, completion_so_far(request), context)
         in_engine = owns_handle = False
         try:
             with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id}):
@@ -168,6 +169,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                   if s.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED]
         seqs = [Sequence(rid, prompt + [s.token_id], len(prompt), completion_params(base, i), [], asyncio.Queue())
                 for i, s in starts]
+        for seq in seqs:
+            seq.grammar = await self._grammar_state(seq.params, seq.tokens[len(prompt):], context)
         indexes = [i for i, _ in starts]
         cache, in_engine, owns_handle = self._engine.kv_cache, False, False
         try:
@@ -206,6 +209,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         self._engine.abort(seq)
                 else:
                     self._engine.scheduler.allocator.free(seq.block_table)
+
+    async def _grammar_state(self, params, completion: list[int], context):
+        """A constrained sequence's grammar state past its completion so far (None: unconstrained)."""
+        if params.structured is None:
+            return None
+        from distserve.engine.structured import InvalidGrammar, TokenRejected
+        try:
+            return await asyncio.to_thread(self._engine.grammars.matcher, params.structured, completion)
+        except (InvalidGrammar, TokenRejected) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.structured_output: {exc}")
 
     async def _reserve_exact(self, num_blocks: int, context) -> list[int]:
         try:

@@ -14,6 +14,7 @@ from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
 from distserve.engine.dtype import resolve_dtype
+from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import load_model_spec
@@ -60,7 +61,8 @@ async def serve(config: PrefillConfig) -> None:
     batch_tokens = config.max_batch_tokens or saturation_tokens(config.device)
     batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, batch_tokens,
                              max_queued_tokens=config.max_queued_tokens or 256 * batch_tokens,
-                             queue_timeout_s=config.queue_timeout_s)
+                             queue_timeout_s=config.queue_timeout_s,
+                             grammars=LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids))
     held = HeldKv(config.resolved_max_held_kv_bytes)
     metrics = PrefillMetrics()
 

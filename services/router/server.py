@@ -15,6 +15,7 @@ from opentelemetry import trace
 from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_from_proto, finish_to_proto, sampling_to_proto
+from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import FinishReason, SamplingParams
 from distserve.grpc_server import ChannelPool
@@ -81,6 +82,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._model_name = model_name
         self._metrics = metrics
         self._broker = BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s)
+        self._grammars = LazyGrammarCompiler("", spec.vocab_size, spec.eos_token_ids, tokenizer=tokenizer)
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -108,6 +110,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except InvalidRequest as exc:
             self._metrics.failures.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if params.structured is not None:
+            await self._check_grammar(params, context)
         if not params.is_greedy and params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))  # reproducible from the trace
         trace.get_current_span().set_attributes({
@@ -127,6 +131,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             req.echo_text = (request.text if request.WhichOneof("prompt") == "text"
                              else self._tokenizer.decode(prompt))
         return req
+
+    async def _check_grammar(self, params: SamplingParams, context) -> None:
+        """INVALID_ARGUMENT when the request's grammar does not compile (compiled once, then cached)."""
+        from distserve.engine.structured import InvalidGrammar
+        try:
+            await asyncio.to_thread(self._grammars.check, params.structured)
+        except InvalidGrammar as exc:
+            self._metrics.failures.labels(code="INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"structured_output: {exc}")
 
     def _kv_tokens(self, req: _Request) -> int:
         """Tokens of KV the request may need: prompt + max_tokens, capped at the context."""

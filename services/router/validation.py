@@ -129,7 +129,10 @@ def _validate_before_tokenizing(request, spec: ModelSpec) -> SamplingParams:
         num_ids = len(request.token_ids.ids)
         check(num_ids < spec.max_context, "prompt",
               f"{num_ids} tokens do not fit the model's context of {spec.max_context} tokens")
-    params = sampling_from_proto(request.sampling)
+    try:
+        params = sampling_from_proto(request.sampling)
+    except ValueError as exc:  # structured.InvalidGrammar: a malformed structured_output
+        raise InvalidRequest("structured_output", str(exc)) from None
     validate_stops(params, spec)
     return params
 

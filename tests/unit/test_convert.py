@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from distserve.convert import sampling_from_proto, sampling_to_proto
+from distserve.engine.structured import StructuredSpec
 from distserve.engine.sampling import SamplingParams
 from distserve.v1 import common_pb2
 
@@ -13,8 +16,16 @@ def test_every_sampling_field_round_trips():
     # float32-exact values, since the wire carries floats
     params = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=4, seed=2**63 + 5, stop=("a", "bc"),
                             stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2, repetition_penalty=1.25,
-                            presence_penalty=-0.5, frequency_penalty=1.5, min_p=0.0625)
+                            presence_penalty=-0.5, frequency_penalty=1.5, min_p=0.0625, logprobs=0,
+                            prompt_logprobs=3, structured=StructuredSpec("choice", ("a", "b")))
     assert all(getattr(params, f.name) != f.default for f in dataclasses.fields(SamplingParams))
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+
+
+@pytest.mark.parametrize("spec", [StructuredSpec("json_schema", '{"type": "integer"}'), StructuredSpec("json_object"),
+                                  StructuredSpec("regex", "a+"), StructuredSpec("grammar", 'root ::= "a"')])
+def test_every_structured_kind_round_trips(spec):
+    params = SamplingParams(structured=spec)
     assert sampling_from_proto(sampling_to_proto(params)) == params
 
 
