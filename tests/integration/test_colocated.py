@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import re
 import signal
 import time
 
@@ -76,6 +77,31 @@ def test_seeded_sampling_equals_the_disaggregated_path(colocated, cluster):
                                                               top_k=200, seed=1234)).token_ids for p in prompts]
 
     assert run(colocated) == run(cluster)
+
+
+def test_logprobs_and_structured_output_equal_the_disaggregated_path(colocated, cluster):
+    from distserve.v1 import common_pb2
+    request = token_request([9, 10, 11, 12], max_tokens=40, temperature=0.9, seed=77, logprobs=2, prompt_logprobs=1)
+    request.sampling.structured_output.CopyFrom(common_pb2.StructuredOutput(regex="[a-z]{3,6}-[0-9]{2}"))
+
+    def run(system: Cluster):
+        answer = generate(system.router_address, request)
+        return (answer.token_ids, answer.text, [(e.token_id, round(e.logprob, 4)) for m in answer.messages
+                                                for e in m.logprobs],
+                [e.token_id for e in answer.messages[0].prompt_logprobs])
+
+    colocated_answer = run(colocated)
+    assert colocated_answer == run(cluster)
+    assert re.fullmatch("[a-z]{3,6}-[0-9]{2}", colocated_answer[1])
+    assert len(colocated_answer[2]) == len(colocated_answer[0]) and colocated_answer[3] == [10, 11, 12]
+
+
+def test_n_above_one_is_refused_by_colocated_workers_alone(colocated):
+    request = token_request([5, 6, 7], max_tokens=4)
+    request.n = 2
+    with pytest.raises(grpc.RpcError) as info:
+        generate(colocated.router_address, request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("n:")
 
 
 def test_gateway_streams_the_router_output(colocated):

@@ -4,6 +4,7 @@ transformers' log-softmax on the same fp32 model (within 1e-4)."""
 from __future__ import annotations
 
 import math
+import time
 
 import openai
 import pytest
@@ -153,3 +154,23 @@ def test_out_of_range_fields_are_400_naming_them(sdk, fields, param):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=fields)
     assert info.value.body["param"] == param
+
+
+def test_streamed_echo_leads_with_the_prompt_and_its_logprobs(sdk, tokenizer, reference):
+    chunks = [c.choices[0] for c in sdk.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=NUM_NEW,
+                                                           temperature=0, logprobs=0, echo=True, stream=True,
+                                                           extra_body={"ignore_eos": True}) if c.choices]
+    completion, _ = reference
+    assert "".join(c.text for c in chunks) == tokenizer.decode(PROMPT_IDS) + tokenizer.decode(completion)
+    token_logprobs = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert token_logprobs[0] is None and len(token_logprobs) == len(PROMPT_IDS) + NUM_NEW
+
+
+def test_user_reaches_the_router_span(cluster, otlp_receiver, sdk):
+    sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, user="alice-42",
+                           extra_headers={"X-Request-Id": "user-field-test"})
+    deadline = time.monotonic() + 10
+    while not (spans := [s for s in otlp_receiver.spans_for("user-field-test") if s.name == "router.generate"]):
+        assert time.monotonic() < deadline, "the router's span never arrived"
+        time.sleep(0.1)
+    assert spans[0].attributes["user.id"] == "alice-42"
