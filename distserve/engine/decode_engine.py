@@ -134,6 +134,8 @@ class DecodeEngine:
         now = time.monotonic()
         for seq in batch:
             seq.started_at = seq.started_at or now
+            seq.num_steps += 1
+            seq.batch_size_sum += len(batch)
         return batch
 
     def fail(self, batch: list[Sequence], exc: Exception) -> None:

@@ -28,6 +28,12 @@ class Sequence:
     started_at: float = 0.0  # joined the running batch
     finished_at: float = 0.0
     grammar: GrammarState | None = None  # a constrained sequence's grammar, past its tokens so far
+    num_steps: int = 0  # decode steps it was in
+    batch_size_sum: int = 0  # the sizes of those steps' batches, summed
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_size_sum / self.num_steps if self.num_steps else 0.0
 
     @property
     def num_generated(self) -> int:

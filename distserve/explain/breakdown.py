@@ -240,14 +240,24 @@ def _decoding(line: _Timeline, generate: SpanRow | None, stage: SpanRow) -> None
     # gen_ai.usage.output_tokens counts the prefill's first token too: the steps made one fewer
     steps = max((_num(generate, "gen_ai.usage.output_tokens") or 1) - 1, 1)
     per_step = generate.duration_us / 1e6 / steps
+    batch = _num(generate, "distserve.decode.mean_batch_size")
+    batch_note = (f"in batches of {batch:.1f} sequences on average" if batch
+                  else "its batch size is not in the trace")
     line.to(_end(generate), "decoding", f"{ms(per_step)} per token at {_worker(stage)}, {steps:.0f} tokens; "
-                                        "its batch size is not in the trace")
+                                        + batch_note)
+
+
+def _failure_message(row: SpanRow) -> str:
+    """Why a span failed: the router's own reason (distserve.error.message, with its code) where it gave
+    one, else the span's status message."""
+    if row.attributes.get("distserve.error.message"):
+        return f"{row.attributes.get('distserve.error.code', 'error')}: {row.attributes['distserve.error.message']}"
+    return str(row.attributes.get(STATUS_MESSAGE) or "")
 
 
 def _errors(trace: _Trace) -> list[str]:
     """The failed spans that no failed child explains (a failure shows on every span it unwinds)."""
-    return [f"{r.name} at {trace.worker(r)} failed" + (f": {r.attributes[STATUS_MESSAGE]}"
-                                                  if r.attributes.get(STATUS_MESSAGE) else "")
+    return [f"{r.name} at {trace.worker(r)} failed" + (f": {_failure_message(r)}" if _failure_message(r) else "")
             for r in trace.rows if r.failed and not trace.has_failed_child(r)]
 
 
@@ -260,7 +270,7 @@ def explain_rows(rows: list[SpanRow], request_id: str) -> Breakdown:
     failure = ""
     if router.failed or root.failed:
         failed = router if router.failed else root
-        failure = str(failed.attributes.get(STATUS_MESSAGE) or f"{failed.name} failed")
+        failure = str(_failure_message(failed) or f"{failed.name} failed")
     first = _first_token(trace)
     ttft_s = tpot_s = None
     ttft_parts, tpot_parts = [], []

@@ -104,7 +104,8 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
         rid, finish = seq.request_id, seq.finish_reason
         tracing.record_span("generate", rid, tracing.wall_ns(seq.started_at), tracing.wall_ns(seq.finished_at),
                             **{"gen_ai.usage.output_tokens": seq.num_generated,
-                               "gen_ai.response.finish_reasons": [finish.value]})
+                               "gen_ai.response.finish_reasons": [finish.value],
+                               "distserve.decode.mean_batch_size": round(seq.mean_batch_size, 2)})
         self._metrics.decode_time.observe(seq.finished_at - seq.started_at)
         self._metrics.success.labels(finished_reason=finish.value).inc()
         log.info("decode request_id=%s tokens=%d reason=%s decode_s=%.4f", rid, seq.num_generated, finish.value,

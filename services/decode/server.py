@@ -287,7 +287,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         tracing.record_span("queue", rid, tracing.wall_ns(seq.loaded_at), tracing.wall_ns(seq.started_at))
         tracing.record_span("generate", rid, tracing.wall_ns(seq.started_at), tracing.wall_ns(seq.finished_at),
                             **{"gen_ai.usage.output_tokens": seq.num_generated,
-                               "gen_ai.response.finish_reasons": [finish.value]})
+                               "gen_ai.response.finish_reasons": [finish.value],
+                               "distserve.decode.mean_batch_size": round(seq.mean_batch_size, 2)})
         self._metrics.queue_time.observe(seq.started_at - seq.loaded_at)
         self._metrics.decode_time.observe(seq.finished_at - seq.started_at)
         self._metrics.success.labels(finished_reason=finish.value).inc()

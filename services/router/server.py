@@ -36,6 +36,11 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
                  grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+def _trace_failure(code: grpc.StatusCode, details: str) -> None:
+    """Why the request failed, on its router span (the span's own status only says the call aborted)."""
+    trace.get_current_span().set_attributes({"distserve.error.code": code.name, "distserve.error.message": details})
+
+
 @dataclasses.dataclass
 class _Completion:
     """One of the request's n completions, as streamed to the client."""
@@ -108,8 +113,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             prompt, params = await validate_request_async(request, self._tokenizer, self._spec)
         except InvalidRequest as exc:
-            self._metrics.failures.labels(code="INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if params.structured is not None:
             await self._check_grammar(params, context)
         if not params.is_greedy and params.seed is None:
@@ -138,8 +142,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             await asyncio.to_thread(self._grammars.check, params.structured)
         except InvalidGrammar as exc:
-            self._metrics.failures.labels(code="INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"structured_output: {exc}")
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"structured_output: {exc}")
 
     def _kv_tokens(self, req: _Request) -> int:
         """Tokens of KV the request may need: prompt + max_tokens, capped at the context."""
@@ -158,10 +161,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         colocated = self._picker.pick_colocated(num_tokens)
         prefill = self._picker.pick_prefill() if self._picker.workers("decode") else None
         if colocated is None and prefill is None:
-            self._metrics.failures.labels(code="RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"prompt + max_tokens need KV for {num_tokens} tokens; no colocated worker has "
-                                "that much KV cache")
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"prompt + max_tokens need KV for {num_tokens} tokens; no colocated worker has "
+                               "that much KV cache")
         if not self._picker.prefers_colocated(colocated, prefill):
             return None
         with tracing.span("route", req.request_id) as span:
@@ -466,6 +468,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def _refuse(self, context, code: grpc.StatusCode, details: str) -> None:
         """Ends the call with `code` before any worker was called."""
         self._metrics.failures.labels(code=code.name).inc()
+        _trace_failure(code, details)
         await context.abort(code, details)
 
     async def _abort_for(self, failure: StageFailed, context) -> None:
@@ -475,7 +478,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if code not in _PASS_THROUGH:
             code = grpc.StatusCode.UNAVAILABLE
         self._metrics.failures.labels(code=code.name).inc()
-        await context.abort(code, f"{failure.stage} worker {worker.worker_id}: {failure.details}")
+        details = f"{failure.stage} worker {worker.worker_id}: {failure.details}"
+        _trace_failure(code, details)
+        await context.abort(code, details)
 
     async def Tokenize(self, request, context):
         """The router's tokenizer on a text, as it tokenizes text prompts; INVALID_ARGUMENT names a bad field."""

@@ -144,7 +144,10 @@ ERRORS = [  # path, body (dict or raw bytes), status, param
     ("/v1/completions", {"prompt": [5] * 3000}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 3000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),  # the router's bound (16)
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "("}}, 400, "structured_outputs"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 3000}]}, 400, "messages"),

@@ -174,3 +174,15 @@ def test_user_reaches_the_router_span(cluster, otlp_receiver, sdk):
         assert time.monotonic() < deadline, "the router's span never arrived"
         time.sleep(0.1)
     assert spans[0].attributes["user.id"] == "alice-42"
+
+
+def test_a_refused_request_has_its_reason_on_the_router_span(cluster, otlp_receiver, sdk):
+    with pytest.raises(openai.BadRequestError):
+        sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"logprobs": 99},
+                               extra_headers={"X-Request-Id": "refusal-reason-test"})
+    deadline = time.monotonic() + 10
+    while not (spans := [s for s in otlp_receiver.spans_for("refusal-reason-test") if s.name == "router.generate"]):
+        assert time.monotonic() < deadline, "the router's span never arrived"
+        time.sleep(0.1)
+    assert spans[0].attributes["distserve.error.code"] == "INVALID_ARGUMENT"
+    assert spans[0].attributes["distserve.error.message"].startswith("logprobs: must be in [0, 20]")

@@ -84,6 +84,17 @@ def test_a_crowded_decode_batch_is_blamed_for_tpot():
     assert "TPOT 61 ms > 60 ms SLO: decoding 3.48 s" in headline("decode_tpot")
 
 
+def test_the_decode_batch_size_is_named_when_the_trace_has_it():
+    # decode_tpot was recorded before decode workers put distserve.decode.mean_batch_size on their
+    # `generate` span: set it on the recorded row to read it as a newer worker's trace.
+    request_id = CASES["decode_tpot"]
+    rows = rows_from_otlp(json.loads((TRACES / "decode_tpot.otlp.json").read_text()), request_id)
+    generate = next(r for r in rows if r.name == "generate")
+    generate.attributes["distserve.decode.mean_batch_size"] = 15.6
+    decoding = next(p for p in explain_rows(rows, request_id).tpot_parts if p.label == "decoding")
+    assert decoding.detail.endswith("in batches of 15.6 sequences on average")
+
+
 def test_a_looser_tpot_slo_is_met():
     assert "TPOT 61 ms ok (SLO 70 ms)" in render(breakdown("decode_tpot"), SLO_TTFT_S, 0.07)
 
@@ -113,6 +124,18 @@ def test_a_refused_request_says_it_failed_before_its_first_token():
     text = render(b, SLO_TTFT_S, SLO_TPOT_S)
     assert text.splitlines()[0].startswith("request explain-invalid: no first token")
     assert "the request failed: " in text and "router.generate at distserve-router failed" in text
+
+
+def test_the_routers_own_reason_names_the_failure():
+    # "invalid" was recorded before the router put distserve.error.* on its span: set them on the recorded
+    # row to read it as a newer router's trace.
+    request_id = CASES["invalid"]
+    rows = rows_from_otlp(json.loads((TRACES / "invalid.otlp.json").read_text()), request_id)
+    router = next(r for r in rows if r.name == "router.generate")
+    router.attributes.update({"distserve.error.code": "INVALID_ARGUMENT",
+                              "distserve.error.message": "prompt: 5000 tokens do not fit the model's context"})
+    text = render(explain_rows(rows, request_id), SLO_TTFT_S, SLO_TPOT_S)
+    assert "INVALID_ARGUMENT: prompt: 5000 tokens do not fit the model's context" in text
 
 
 def test_the_jaeger_and_otlp_forms_of_a_trace_explain_alike():
