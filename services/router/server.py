@@ -14,10 +14,10 @@ from opentelemetry import trace
 
 from distserve import tracing
 from distserve.broker_client import BrokerClient
-from distserve.convert import finish_from_proto, finish_to_proto, sampling_to_proto
+from distserve.convert import finish_from_proto, sampling_to_proto
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_spec import ModelSpec
-from distserve.engine.sampling import FinishReason, SamplingParams
+from distserve.engine.sampling import SamplingParams
 from distserve.grpc_server import ChannelPool
 from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
@@ -26,6 +26,7 @@ from services.router.config import RouterConfig
 from services.router.picker import WorkerPicker
 from services.router.stage_failure import StageFailed
 from services.router import tokenizer_service
+from services.router.request_state import Completion, RequestState
 from services.router.text_stream import TextStream
 from services.router.validation import InvalidRequest, validate_request_async
 
@@ -39,41 +40,6 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
 def _trace_failure(code: grpc.StatusCode, details: str) -> None:
     """Why the request failed, on its router span (the span's own status only says the call aborted)."""
     trace.get_current_span().set_attributes({"distserve.error.code": code.name, "distserve.error.message": details})
-
-
-@dataclasses.dataclass
-class _Completion:
-    """One of the request's n completions, as streamed to the client."""
-
-    text: TextStream
-    outputs: list[int] = dataclasses.field(default_factory=list)  # completion tokens streamed so far
-    finish: FinishReason | None = None
-    cumulative_logprob: float = 0.0  # of the tokens streamed (when logprobs are computed)
-    held: list[router_pb2.GenerateResponse] = dataclasses.field(default_factory=list)  # best_of: until chosen
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    completions: list[_Completion]
-    started: float
-    num_returned: int = 1  # n: completions the client gets (best_of: the best n of len(completions))
-    last_message_at: float = 0.0
-    num_retries: int = 0
-    timings: common_pb2.Timings = dataclasses.field(default_factory=common_pb2.Timings)
-    echo_text: str | None = None  # the prompt text to send back on the first message (echo)
-    strip_logprobs: bool = False  # computed only to rank best_of completions: not sent
-
-    @property
-    def outputs(self) -> list[int]:
-        """The first completion's tokens so far (a migrated request has one completion)."""
-        return self.completions[0].outputs
-
-    @property
-    def all_finished(self) -> bool:
-        return all(c.finish is not None for c in self.completions)
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -104,12 +70,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     prefill_worker, decode_worker = await self._route(req, context)
                     messages = self._run(req, prefill_worker, decode_worker, context)
                 async for message in messages:
-                    for released in self._released(req, message):
+                    for released in req.released(message):
                         yield released
         finally:
             self._metrics.running.dec()
 
-    async def _accept(self, request, request_id: str, context) -> _Request:
+    async def _accept(self, request, request_id: str, context) -> RequestState:
         try:
             prompt, params = await validate_request_async(request, self._tokenizer, self._spec)
         except InvalidRequest as exc:
@@ -128,9 +94,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         strip_logprobs = num_generated > num_returned and params.logprobs is None
         if strip_logprobs:
             params = dataclasses.replace(params, logprobs=0)  # best_of ranks by cumulative logprob
-        req = _Request(request_id, prompt, params,
-                       [_Completion(TextStream(self._tokenizer, params.stop)) for _ in range(num_generated)],
-                       time.monotonic(), num_returned=num_returned, strip_logprobs=strip_logprobs)
+        completions = [Completion(TextStream(self._tokenizer, params.stop)) for _ in range(num_generated)]
+        req = RequestState(request_id, prompt, params, completions, time.monotonic(), self._metrics,
+                           num_returned=num_returned, strip_logprobs=strip_logprobs)
         if request.echo:
             req.echo_text = (request.text if request.WhichOneof("prompt") == "text"
                              else self._tokenizer.decode(prompt))
@@ -144,11 +110,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except InvalidGrammar as exc:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"structured_output: {exc}")
 
-    def _kv_tokens(self, req: _Request) -> int:
+    def _kv_tokens(self, req: RequestState) -> int:
         """Tokens of KV the request may need: prompt + max_tokens, capped at the context."""
         return min(len(req.prompt) + req.params.max_tokens, self._spec.max_context)
 
-    async def _route_colocated(self, req: _Request, context) -> WorkerRecord | None:
+    async def _route_colocated(self, req: RequestState, context) -> WorkerRecord | None:
         """The colocated worker to send the whole request to, or None for the prefill/decode path."""
         if not self._picker.workers("colocated"):
             return None
@@ -175,7 +141,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                  len(req.prompt))
         return colocated
 
-    async def _run_colocated(self, req: _Request, worker: WorkerRecord, context):
+    async def _run_colocated(self, req: RequestState, worker: WorkerRecord, context):
         """Streams the whole request from one colocated worker."""
         stub = colocated_pb2_grpc.ColocatedServiceStub(self._channels.get(worker.address))
         call = stub.PrefillAndDecode(colocated_pb2.PrefillAndDecodeRequest(
@@ -193,10 +159,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if is_first:
                     timings.first_token_s = time.monotonic() - req.started
                     self._metrics.ttft.observe(timings.first_token_s)
-                message = self._chunk(req, list(response.token_ids), finish, response.logprobs)
+                message = req.chunk(list(response.token_ids), finish, response.logprobs)
                 if is_first:
                     message.prefill_worker = message.decode_worker = worker.worker_id
-                    self._add_prompt_fields(req, message, response.prompt_logprobs)
+                    req.add_prompt_fields(message, response.prompt_logprobs)
                 if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     yield message
                     if finish is not None:
@@ -209,7 +175,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         finally:
             call.cancel()
 
-    async def _route(self, req: _Request, context) -> tuple[WorkerRecord, WorkerRecord]:
+    async def _route(self, req: RequestState, context) -> tuple[WorkerRecord, WorkerRecord]:
         with tracing.span("route", req.request_id) as span:
             num_tokens = self._kv_tokens(req)
             prefill_worker = self._picker.pick_prefill(len(req.prompt) + len(req.outputs))
@@ -239,7 +205,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                  prefill_worker.worker_id, decode_worker.worker_id, len(req.prompt))
         return prefill_worker, decode_worker
 
-    async def _run(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord, context):
+    async def _run(self, req: RequestState, prefill_worker: WorkerRecord, decode_worker: WorkerRecord, context):
         """Prefill, then decode, streaming. A worker lost on the way, or KV that cannot be pulled, is
         replaced: the prompt plus the completion so far is prefilled again on a live prefill worker
         and decoding continues on a live decode worker (request migration), at most max_retries times.
@@ -265,7 +231,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 # cancelled, failed, or never handed to decode: free the KV (releasing twice is harmless)
                 self._broker.release_soon(handle_id, "cancelled", req.request_id)
 
-    async def _attempt(self, req: _Request, prefill_worker: WorkerRecord, decode_worker: WorkerRecord,
+    async def _attempt(self, req: RequestState, prefill_worker: WorkerRecord, decode_worker: WorkerRecord,
                        handle_id: str, secret: str):
         """One try at the rest of the request. Raises StageFailed if a worker failed in a way another
         worker can make up for; the request's own errors abort the call."""
@@ -281,7 +247,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         async for message in self._decode(req, first, decode_worker, secret):
             yield message
 
-    def _first_messages(self, req: _Request, first, prefill_worker: WorkerRecord,
+    def _first_messages(self, req: RequestState, first, prefill_worker: WorkerRecord,
                         decode_worker: WorkerRecord) -> list[router_pb2.GenerateResponse]:
         """A message per completion with its first token; the first one carries the request's extras."""
         req.timings.MergeFrom(first.timings)
@@ -293,20 +259,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         messages = []
         for index, start in enumerate(starts):
             logprobs = [start.logprobs] if start.HasField("logprobs") else []
-            messages.append(self._chunk(req, [start.token_id], finish_from_proto(start.finish_reason), logprobs,
+            messages.append(req.chunk([start.token_id], finish_from_proto(start.finish_reason), logprobs,
                                         index))
         messages[0].prefill_worker, messages[0].decode_worker = prefill_worker.worker_id, decode_worker.worker_id
-        self._add_prompt_fields(req, messages[0], first.prompt_logprobs)
+        req.add_prompt_fields(messages[0], first.prompt_logprobs)
         return messages
 
-    def _add_prompt_fields(self, req: _Request, message: router_pb2.GenerateResponse, prompt_logprobs) -> None:
-        """The first message's prompt extras: echo and prompt logprobs."""
-        message.prompt_logprobs.extend(prompt_logprobs)
-        if req.echo_text is not None:
-            message.prompt_text = req.echo_text
-            message.prompt_token_ids.extend(req.prompt)
-
-    async def _replace_workers(self, req: _Request, failure: "StageFailed",
+    async def _replace_workers(self, req: RequestState, failure: "StageFailed",
                                context) -> tuple[WorkerRecord, WorkerRecord]:
         """New workers for a request whose `failure.stage` failed; aborts the call when the failure is
         not one another worker can make up for, or the request is out of retries."""
@@ -342,7 +301,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                    f"{self._config.connect_timeout_s:g}s", worker, stage) from None
         return channel
 
-    async def _prefill(self, req: _Request, worker: WorkerRecord, handle_id: str,
+    async def _prefill(self, req: RequestState, worker: WorkerRecord, handle_id: str,
                        secret: str) -> prefill_pb2.PrefillResponse:
         stub = prefill_pb2_grpc.PrefillServiceStub(await self._connected(worker, "prefill"))
         # a migrated request's prompt logprobs were sent already: not computed again
@@ -356,7 +315,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except grpc.aio.AioRpcError as exc:
             raise StageFailed.of(exc, worker, "prefill") from exc
 
-    async def _decode(self, req: _Request, first, worker: WorkerRecord, secret: str):
+    async def _decode(self, req: RequestState, first, worker: WorkerRecord, secret: str):
         """Streams the decode worker's tokens; raises StageFailed if the worker fails."""
         stub = decode_pb2_grpc.DecodeServiceStub(await self._connected(worker, "decode"))
         call = stub.Decode(decode_pb2.DecodeRequest(
@@ -371,7 +330,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 finish = finish_from_proto(response.finish_reason)
                 if finish is not None:
                     req.timings.MergeFrom(response.timings)
-                message = self._chunk(req, list(response.token_ids), finish, response.logprobs, response.index)
+                message = req.chunk(list(response.token_ids), finish, response.logprobs, response.index)
                 yield message
                 if req.all_finished:
                     if finish is not None:
@@ -391,79 +350,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         except asyncio.TimeoutError:
             raise StageFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no message for {self._config.decode_idle_timeout_s:g}s", worker, "decode") from None
-
-    def _chunk(self, req: _Request, token_ids: list[int], finish: FinishReason | None, logprobs=(),
-               index: int = 0) -> router_pb2.GenerateResponse:
-        """The client's message for completion `index`'s tokens from a worker (logprobs: parallel to
-        them, or empty); tokens after a stop string are dropped, with their logprobs."""
-        completion = req.completions[index]
-        now = time.monotonic()
-        if req.last_message_at and token_ids:
-            for _ in token_ids:
-                self._metrics.itl.observe((now - req.last_message_at) / len(token_ids))
-        req.last_message_at = now
-        text, kept = "", []
-        for token in token_ids:  # one at a time: tokens after a stop string are not part of the answer
-            kept.append(token)
-            text += completion.text.add([token])
-            if completion.text.stopped:
-                finish = FinishReason.STOP
-                break
-        token_ids, logprobs = kept, list(logprobs)[:len(kept)]
-        completion.outputs.extend(token_ids)
-        completion.cumulative_logprob += sum(entry.logprob for entry in logprobs)
-        self._metrics.generation_tokens.inc(len(token_ids))
-        if finish is not None:
-            text += completion.text.flush()
-        message = router_pb2.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text,
-                                              finish_reason=finish_to_proto(finish), index=index,
-                                              logprobs=[] if req.strip_logprobs else logprobs)
-        if finish is not None:
-            completion.finish = finish
-            self._finish(req, completion, message)
-        return message
-
-    def _finish(self, req: _Request, completion: _Completion, message) -> None:
-        """Usage (this completion's tokens) and timings on its last message; the request's metrics, span
-        attributes and log line once its last completion finishes."""
-        message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt),
-                                                completion_tokens=len(completion.outputs)))
-        message.timings.CopyFrom(req.timings)
-        self._metrics.success.labels(finished_reason=completion.finish.value).inc()
-        if not req.all_finished:
-            return
-        e2e_s = time.monotonic() - req.started
-        self._metrics.e2e.observe(e2e_s)
-        num_tokens = sum(len(c.outputs) for c in req.completions)
-        reasons = [c.finish.value for c in req.completions]
-        trace.get_current_span().set_attributes({"gen_ai.usage.output_tokens": num_tokens,
-                                                 "gen_ai.response.finish_reasons": reasons})
-        log.info("finish request_id=%s reason=%s completion_tokens=%d e2e_s=%.4f", req.request_id,
-                 ",".join(reasons), num_tokens, e2e_s)
-
-    def _released(self, req: _Request, message: router_pb2.GenerateResponse) -> list[router_pb2.GenerateResponse]:
-        """What the client gets of a message: itself, or with best_of, nothing until every completion
-        has finished, then the n with the highest cumulative logprob, in that order as indexes 0..n-1."""
-        if len(req.completions) == req.num_returned:
-            return [message]
-        req.completions[message.index].held.append(message)
-        if not req.all_finished:
-            return []
-        ranked = sorted(range(len(req.completions)), key=lambda i: -req.completions[i].cumulative_logprob)
-        released = []
-        for new_index, old_index in enumerate(ranked[:req.num_returned]):
-            for held in req.completions[old_index].held:
-                held.index = new_index
-                released.append(held)
-        first = req.completions[0].held[0]  # the request's extras ride on the first message sent
-        if released and released[0] is not first:
-            for field in ("prefill_worker", "decode_worker", "prompt_text"):
-                setattr(released[0], field, getattr(first, field))
-            released[0].prompt_token_ids.extend(first.prompt_token_ids)
-            released[0].prompt_logprobs.extend(first.prompt_logprobs)
-            for field in ("prefill_worker", "decode_worker", "prompt_text", "prompt_token_ids", "prompt_logprobs"):
-                first.ClearField(field)
-        return released
 
     async def _refuse(self, context, code: grpc.StatusCode, details: str) -> None:
         """Ends the call with `code` before any worker was called."""
