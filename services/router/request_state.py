@@ -115,7 +115,9 @@ class RequestState:
 
     def released(self, message: router_pb2.GenerateResponse) -> list[router_pb2.GenerateResponse]:
         """What the client gets of a message: itself, or with best_of, nothing until every completion
-        has finished, then the n with the highest cumulative logprob, in that order as indexes 0..n-1."""
+        has finished, then the n with the highest cumulative logprob, in that order as indexes 0..n-1.
+        The tokens of the completions not returned count in the last one's usage: they were generated
+        (and are billed, as in OpenAI's API)."""
         if len(self.completions) == self.num_returned:
             return [message]
         self.completions[message.index].held.append(message)
@@ -125,6 +127,8 @@ class RequestState:
         released = [held for new_index, old_index in enumerate(ranked[:self.num_returned])
                     for held in _reindexed(self.completions[old_index].held, new_index)]
         _move_extras(self.completions[0].held[0], released[0])
+        released[-1].usage.completion_tokens += sum(len(self.completions[i].outputs)
+                                                    for i in ranked[self.num_returned:])
         return released
 
 

@@ -73,6 +73,7 @@ def test_best_of_releases_the_highest_cumulative_logprob_first_with_the_requests
     out = req.released(req.chunk([312], FinishReason.LENGTH, [entry(312, -0.5)], index=2))
     assert [(m.index, list(m.token_ids)) for m in out] == [(0, [301]), (0, [311]), (1, [302]), (1, [312])]
     assert out[0].prefill_worker == "prefill-0" and out[0].prompt_text == "the prompt"
+    assert sum(m.usage.completion_tokens for m in out) == 6  # the dropped completion's 2 tokens count too
     assert not messages[0].prefill_worker  # moved, not copied: the dropped completion keeps no extras
 
 
