@@ -129,7 +129,7 @@ def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
     body.get_int("max_tokens")  # type-checked even when max_completion_tokens (the newer name) wins
     request = _parse_common(body, Endpoint.CHAT, CHAT_FIELDS, max_tokens_field)
     _chat_logprobs(body, request.sampling)
-    messages = [_chat_message(i, m) for i, m in enumerate(_required_list(body, "messages"))]
+    messages = [chat_message(i, m) for i, m in enumerate(_required_list(body, "messages"))]
     _check_chat_fits(messages, template.max_context)
     prompt = tuple(template.encode(messages, chat_template_kwargs(body.raw("chat_template_kwargs"))))
     if not request.sampling.HasField("max_tokens") and 0 < len(prompt) < template.max_context:
@@ -255,7 +255,7 @@ def _required_list(body: Body, name: str) -> list[Any]:
     return value
 
 
-def _chat_message(index: int, message: Any) -> dict[str, str]:
+def chat_message(index: int, message: Any) -> dict[str, str]:
     """One chat message -> {"role", "content"} with the content as plain text."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):

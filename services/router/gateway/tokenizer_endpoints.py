@@ -23,7 +23,7 @@ from distserve.v1 import router_pb2
 from services.router.gateway.chat_template import KWARGS_FIELD, ChatTemplate, chat_template_kwargs
 from services.router.gateway.errors import bad_request
 from services.router.gateway.json_fields import Body, check_int_list, parse_json_object
-from services.router.gateway.openai_protocol import _chat_message, check_model
+from services.router.gateway.openai_protocol import chat_message, check_model
 from services.router.gateway.router_client import RouterClient
 from services.router.validation import THREAD_TOKENIZE_CHARS
 
@@ -84,7 +84,7 @@ class TokenizerEndpoints:
     def chat_request(self, body: Body) -> router_pb2.TokenizeRequest:
         """The chat form's body -> the router's TokenizeRequest for the rendered conversation."""
         self._check_body(body, CHAT_FIELDS)
-        messages = [_chat_message(i, m) for i, m in enumerate(body.get_list("messages") or [])]
+        messages = [chat_message(i, m) for i, m in enumerate(body.get_list("messages") or [])]
         if not messages:
             raise bad_request("messages", "must not be empty")
         add_generation_prompt = _flag(body, "add_generation_prompt", True)
