@@ -90,11 +90,6 @@ class Start:
     grammar: GrammarState | None = None  # when the output is constrained: past this token
 
 
-def result_start(result: PrefillResult) -> Start:
-    """The first (or only) completion's start."""
-    return Start(result.first_token, result.finish_reason, result.first_token_logprobs)
-
-
 @dataclasses.dataclass
 class _Pending:
     prompt: list[int]

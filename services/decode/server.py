@@ -80,6 +80,23 @@ async def merged(streams):
             task.cancel()
 
 
+async def _tagged(stream):
+    async for item in stream:
+        yield 0, item
+
+
+def _sequences(request, params) -> tuple[list[Sequence], list[int]]:
+    """The sequences to decode and their completion indexes: one per unfinished start of an n > 1
+    request (completion i seeded as completion_params says), else the one completion so far."""
+    prompt = list(request.prompt_token_ids)
+    if len(request.starts) <= 1:
+        return [Sequence(request.request_id, prompt + completion_so_far(request), len(prompt), params, [],
+                         asyncio.Queue())], [0]
+    starts = [(i, s) for i, s in enumerate(request.starts) if s.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED]
+    return ([Sequence(request.request_id, prompt + [s.token_id], len(prompt), completion_params(params, i), [],
+                      asyncio.Queue()) for i, s in starts], [i for i, _ in starts])
+
+
 def completion_so_far(request) -> list[int]:
     """The completion tokens the request arrives with: all of them for a migrated request, else the
     first token alone. The KV to pull covers the prompt and all of these but the last."""
@@ -111,81 +128,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield response
 
     async def _decode(self, request, context):
+        """One completion, or n of one prompt (request.starts): the KV is pulled once into the first
+        sequence's blocks and the others fork from it (shared full blocks, own copy of the partial one).
+        Streams every completion's tokens, each message tagged with its index."""
         error = request_error(request, self._spec)
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        if len(request.starts) > 1:
-            async for response in self._decode_many(request, context):
-                yield response
-            return
-        rid = request.request_id
-        prompt = list(request.prompt_token_ids)
-        params = sampling_from_proto(request.sampling)
-        seq = Sequence(rid, prompt + completion_so_far(request), len(prompt), params, [], asyncio.Queue())
-        seq.grammar = await self._grammar_state(params, completion_so_far(request), context)
-        in_engine = owns_handle = False
-        try:
-            with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id}):
-                # Blocks first: once claimed, the KV is pulled at once, well within the owner's lease.
-                # A request arriving with decoded tokens was moved here (maybe preempted): it reserves its
-                # whole life, so it cannot be preempted again.
-                seq.block_table = await self._reserve_blocks(seq.context_len, params.max_tokens - seq.num_generated + 1,
-                                                             len(request.output_token_ids) > 1, context)
-                handle = await self._claim(request, context)
-                owns_handle = True
-                transfer_s = await self._load_kv(handle, seq, request.kv_secret, context)
-            release = self._broker.release_soon(request.kv_handle_id, "received", rid)
-            owns_handle = False
-            seq.loaded_at = time.monotonic()
-            self._engine.add(seq)
-            in_engine = True
-            with tracing.span("stream", rid):
-                try:
-                    async for response in self._stream(seq, transfer_s):
-                        yield response
-                except Preempted as exc:
-                    # ABORTED: the router moves the request, with its tokens so far, to another worker
-                    log.warning("preempted request_id=%s: %s", rid, exc)
-                    await context.abort(grpc.StatusCode.ABORTED, str(exc))
-            self._record_finish(seq, seq.finish_reason)
-            await asyncio.wait([release])  # long done; keeps the broker's span inside this one
-        finally:
-            if owns_handle:  # claimed here but not received: nobody else will pull it
-                self._broker.release_soon(request.kv_handle_id, "cancelled", rid)
-            if in_engine:
-                if seq.finish_reason is None:
-                    self._engine.abort(seq)
-            else:
-                self._engine.scheduler.allocator.free(seq.block_table)
-
-    async def _decode_many(self, request, context):
-        """n completions of one prompt: the KV is pulled once into the first unfinished completion's
-        blocks and the others fork from it (shared full blocks, own copy of the partial one). Each
-        reserves its whole life up front, so none is preempted (an n > 1 request is not migrated).
-        Streams every completion's tokens, each message tagged with its index."""
         rid, prompt = request.request_id, list(request.prompt_token_ids)
-        base = sampling_from_proto(request.sampling)
-        starts = [(i, s) for i, s in enumerate(request.starts)
-                  if s.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED]
-        seqs = [Sequence(rid, prompt + [s.token_id], len(prompt), completion_params(base, i), [], asyncio.Queue())
-                for i, s in starts]
+        seqs, indexes = _sequences(request, sampling_from_proto(request.sampling))
         for seq in seqs:
             seq.grammar = await self._grammar_state(seq.params, seq.tokens[len(prompt):], context)
-        indexes = [i for i, _ in starts]
-        cache, in_engine, owns_handle = self._engine.kv_cache, False, False
+        first, in_engine, owns_handle = seqs[0], False, False
         try:
             with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id,
                                                  "distserve.completions": len(seqs)}):
-                shared = len(prompt) // cache.block_size  # full prompt blocks every completion shares
-                seqs[0].block_table = await self._reserve_blocks(len(prompt), base.max_tokens, True, context)
+                # Blocks first: once claimed, the KV is pulled at once, well within the owner's lease.
+                # A request arriving with decoded tokens was moved here (maybe preempted), and n completions
+                # share blocks: both reserve their whole life, so neither can be preempted (again).
+                first.block_table = await self._reserve_blocks(
+                    first.context_len, first.params.max_tokens - first.num_generated + 1,
+                    len(request.output_token_ids) > 1 or len(request.starts) > 1, context)
                 for seq in seqs[1:]:
-                    own = self._engine.scheduler.blocks_for_life(len(prompt), base.max_tokens) - shared
-                    seq.block_table = await self._reserve_exact(own, context)
+                    seq.block_table = await self._reserve_exact(self._fork_blocks(len(prompt), seq), context)
                 handle = await self._claim(request, context)
                 owns_handle = True
-                transfer_s = await self._load_kv(handle, seqs[0], request.kv_secret, context)
+                transfer_s = await self._load_kv(handle, first, request.kv_secret, context)
                 for seq in seqs[1:]:
-                    seq.block_table = cache.fork_table(seqs[0].block_table, len(prompt), seq.block_table)
+                    seq.block_table = self._engine.kv_cache.fork_table(first.block_table, len(prompt),
+                                                                       seq.block_table)
             release = self._broker.release_soon(request.kv_handle_id, "received", rid)
             owns_handle = False
             for seq in seqs:
@@ -193,15 +163,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 self._engine.add(seq)
             in_engine = True
             with tracing.span("stream", rid):
-                async for response in merged(self._stream(seq, transfer_s) for seq in seqs):
-                    index, message = response
-                    message.index = indexes[index]
-                    yield message
+                try:
+                    async for which, response in self._streams(seqs, transfer_s):
+                        response.index = indexes[which]
+                        yield response
+                except Preempted as exc:
+                    # ABORTED: the router moves the request, with its tokens so far, to another worker
+                    log.warning("preempted request_id=%s: %s", rid, exc)
+                    await context.abort(grpc.StatusCode.ABORTED, str(exc))
             for seq in seqs:
                 self._record_finish(seq, seq.finish_reason)
-            await asyncio.wait([release])
+            await asyncio.wait([release])  # long done; keeps the broker's span inside this one
         finally:
-            if owns_handle:
+            if owns_handle:  # claimed here but not received: nobody else will pull it
                 self._broker.release_soon(request.kv_handle_id, "cancelled", rid)
             for seq in seqs:
                 if in_engine:
@@ -209,6 +183,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         self._engine.abort(seq)
                 else:
                     self._engine.scheduler.allocator.free(seq.block_table)
+
+    def _fork_blocks(self, prompt_len: int, seq: Sequence) -> int:
+        """Blocks a forked completion needs of its own: its whole life less the prompt's full blocks."""
+        shared = prompt_len // self._engine.kv_cache.block_size
+        return self._engine.scheduler.blocks_for_life(prompt_len, seq.params.max_tokens) - shared
+
+    def _streams(self, seqs: list[Sequence], transfer_s: float):
+        """(which sequence, message) as they come; one sequence is streamed without merging's task hop."""
+        if len(seqs) > 1:
+            return merged(self._stream(seq, transfer_s) for seq in seqs)
+        return _tagged(self._stream(seqs[0], transfer_s))
 
     async def _grammar_state(self, params, completion: list[int], context):
         """A constrained sequence's grammar state past its completion so far (None: unconstrained)."""

@@ -11,13 +11,13 @@ import grpc
 
 from distserve import tracing
 from distserve.broker_client import BrokerClient
-from distserve.convert import finish_to_proto, first_logprobs_fields, sampling_from_proto, starts_to_proto
+from distserve.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto, starts_to_proto
 from distserve.engine.sampling import SamplingParams
 from distserve.engine.model_spec import DTYPES, ModelSpec, prompt_error
 from distserve.metrics import PrefillMetrics
 from distserve.transfer.connector import KvProducer
 from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
-from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult, QueueFull, QueueTimeout, result_start
+from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult, QueueFull, QueueTimeout
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 
@@ -61,12 +61,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             response = prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=result.first_token, finish_reason=finish_to_proto(result.finish_reason),
                 timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s))
-            fields = first_logprobs_fields(result)
-            if "logprobs" in fields:
-                response.first_token_logprobs.CopyFrom(fields["logprobs"][0])
-            response.prompt_logprobs.extend(fields.get("prompt_logprobs", []))
+            if result.first_token_logprobs is not None:
+                response.first_token_logprobs.CopyFrom(logprobs_to_proto(result.first_token_logprobs))
+            response.prompt_logprobs.extend(map(logprobs_to_proto, result.prompt_logprobs or ()))
             response.starts.extend(starts_to_proto(result.starts))
-            if all(start.finish is not None for start in result.starts or [result_start(result)]):
+            if all(finish is not None for finish in [s.finish for s in result.starts] or [result.finish_reason]):
                 return response  # no completion goes on to decode: no KV to hold
             response.kv_handle_id = request.kv_handle_id or uuid.uuid4().hex
             response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))

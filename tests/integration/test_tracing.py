@@ -91,40 +91,21 @@ def test_one_trace_spans_every_stage(cluster, otlp_receiver, tiny_model_path):
 
 
 def test_distserve_trace_prints_waterfall_from_jaeger_api(cluster, otlp_receiver, capsys):
-    import http.server
     import json
-    import threading
     import urllib.parse
 
     from distserve.cli import main
+    from tests.fake_jaeger import fake_jaeger
     from tests.otlp_receiver import as_jaeger_trace
 
     request_id = "trace-cli-request"
     send_through_gateway(cluster, request_id, list(range(70, 90)), 3)
     spans = collect(otlp_receiver, request_id, len(EXPECTED_TREE))
-    queries = []
-
-    class JaegerQuery(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's naming)
-            url = urllib.parse.urlparse(self.path)
-            queries.append((url.path, urllib.parse.parse_qs(url.query)))
-            body = json.dumps(as_jaeger_trace(spans)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), JaegerQuery)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert main(["trace", request_id, "--jaeger", f"http://127.0.0.1:{server.server_port}"]) == 0
-    finally:
-        server.shutdown()
+    with fake_jaeger(json.dumps(as_jaeger_trace(spans)).encode()) as (url, paths):
+        assert main(["trace", request_id, "--jaeger", url]) == 0
     out = capsys.readouterr().out
-    path, params = queries[0]
+    query = urllib.parse.urlparse(paths[0])
+    path, params = query.path, urllib.parse.parse_qs(query.query)
     assert path == "/api/traces" and params["service"] == ["distserve-router"]
     assert json.loads(params["tags"][0]) == {"gen_ai.request.id": request_id}
     lines = out.splitlines()

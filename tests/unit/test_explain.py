@@ -9,8 +9,6 @@ the first token is sent, so the recorded slow transfer breaks TPOT.)
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import pytest
 from distserve.cli import main
 from distserve.explain import TraceNotFound, explain_rows, render, rows_from_jaeger_reply, rows_from_otlp
 from distserve.launcher import free_port
+from tests.fake_jaeger import fake_jaeger
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 CASES = json.loads((TRACES / "cases.json").read_text())  # case -> the request id recorded for it
@@ -172,25 +171,8 @@ def test_cli_says_when_jaeger_cannot_be_reached(capsys):
 @pytest.fixture
 def jaeger():
     """A stand-in for Jaeger's query API answering with the recorded prefill_queue trace; records queries."""
-    body = (TRACES / "prefill_queue.jaeger.json").read_bytes()
-    queries = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            queries.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}", queries
-    server.shutdown()
-    server.server_close()
+    with fake_jaeger((TRACES / "prefill_queue.jaeger.json").read_bytes()) as (url, queries):
+        yield url, queries
 
 
 def test_cli_explains_a_trace_from_jaeger(jaeger, capsys):
