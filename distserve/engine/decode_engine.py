@@ -16,7 +16,7 @@ from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs
 from distserve.engine.model_runner import DecodeWork, ModelRunner
-from distserve.engine.sampling import banned_token_ids, finish_reason_for, sample_token
+from distserve.engine.sampling import SampleRow, banned_token_ids, finish_reason_for, sample_tokens
 from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.sequence import Sequence
 
@@ -185,21 +185,13 @@ class DecodeEngine:
         return tokens, logprobs
 
     def _sample_tokens(self, batch: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
-        greedy = logits.argmax(-1).tolist()  # one batched argmax serves every plain greedy sequence
-        tokens: list[int | Exception] = []
-        for b, seq in enumerate(batch):
+        rows = []
+        for seq in batch:
             banned = banned_token_ids(seq.params, self._eos_ids, seq.num_generated, seq.grammar is not None)
-            if seq.params.is_greedy and not banned and not seq.params.has_penalties:
-                tokens.append(greedy[b])
-                continue
-            try:
-                history = seq.tokens if seq.params.has_penalties else ()  # no per-step copies without penalties
-                tokens.append(sample_token(logits[b], seq.params, seq.num_generated, banned,
-                                           prompt_token_ids=history[:seq.prompt_len],
-                                           output_token_ids=history[seq.prompt_len:]))
-            except Exception as exc:  # e.g. non-finite probabilities: fails this sequence only
-                tokens.append(exc)
-        return tokens
+            history = seq.tokens if seq.params.has_penalties else ()  # no per-step copies without penalties
+            rows.append(SampleRow(seq.params, seq.num_generated, banned, history[:seq.prompt_len],
+                                  history[seq.prompt_len:]))
+        return sample_tokens(logits, rows)
 
     def postprocess(self, batch: list[Sequence], sampled: "Sampled") -> None:
         tokens, logprobs = sampled

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -136,33 +137,104 @@ def banned_token_ids(params: SamplingParams, eos_ids: tuple[int, ...], num_gener
     return banned
 
 
+class SampleRow(NamedTuple):
+    """What one row of a batch needs to draw its token."""
+
+    params: SamplingParams
+    index: int  # which completion token this is (0-based): with the seed, it fixes the draw
+    banned: Sequence[int] = ()  # tokens that may not be drawn (banned_token_ids)
+    prompt_token_ids: Sequence[int] = ()  # read only when a penalty is set
+    output_token_ids: Sequence[int] = ()  # the completion so far; read only when a penalty is set
+
+
 def sample_token(
     logits: torch.Tensor,
     params: SamplingParams,
     index: int,
-    banned: list[int],
+    banned: Sequence[int],
     prompt_token_ids: Sequence[int] = (),
     output_token_ids: Sequence[int] = (),
 ) -> int:
     """Draws completion token number `index` (0-based) from logits [V] (float32); the input is not modified.
 
     prompt_token_ids and output_token_ids (the completion so far) feed the penalties; they are only
-    read when a penalty is set.
+    read when a penalty is set. One row of `sample_tokens`, so a token drawn alone equals the token
+    drawn for the same row in any batch. Raises the row's error (e.g. non-finite probabilities).
     """
-    if banned:
-        logits = logits.clone()
-        logits[banned] = float("-inf")
-    if params.has_penalties:
-        logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
-    if params.is_greedy:
-        return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.min_p > 0.0:
-        logits = _filter_min_p(logits, params.min_p)
-    logits = _filter_top_k_top_p(logits, params.top_k, params.top_p)
-    probs = torch.softmax(logits, -1)
-    generator = _generator(params.seed if params.seed is not None else 0, index)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    token = sample_tokens(logits[None], [SampleRow(params, index, banned, prompt_token_ids, output_token_ids)])[0]
+    if isinstance(token, Exception):
+        raise token
+    return token
+
+
+def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int | Exception]:
+    """A token per row of logits [B, V] (float32; not modified), or the error that row's draw raised.
+
+    Rows are batched where it pays: one argmax for the greedy rows, and one temperature, softmax and
+    inverse-CDF draw for the sampled ones. Bans, penalties and filters are per row and computed only
+    for rows that set them. Each row's result depends only on its own logits and SampleRow.
+    """
+    tokens: list[int | Exception] = [0] * len(rows)
+    adjusted = {b: _banned_and_penalised(logits[b], row) for b, row in enumerate(rows)
+                if row.banned or row.params.has_penalties}  # row -> its own adjusted copy [V]
+    greedy = [b for b, row in enumerate(rows) if row.params.is_greedy]
+    if greedy:
+        for b, token in zip(greedy, logits[greedy].argmax(-1).tolist()):
+            tokens[b] = int(adjusted[b].argmax()) if b in adjusted else token
+    sampled = [b for b, row in enumerate(rows) if not row.params.is_greedy]
+    if sampled:
+        temperatures = torch.tensor([[rows[b].params.temperature] for b in sampled], dtype=logits.dtype,
+                                    device=logits.device)  # [S, 1]
+        chosen = logits if len(sampled) == len(rows) else logits.index_select(
+            0, torch.tensor(sampled, device=logits.device))
+        scaled = chosen / temperatures  # [S, V], a new tensor
+        for s, b in enumerate(sampled):
+            if b in adjusted:
+                scaled[s] = adjusted[b] / temperatures[s]
+        for s, b in enumerate(sampled):
+            params = rows[b].params
+            if params.min_p > 0.0:
+                scaled[s] = _filter_min_p(scaled[s], params.min_p)
+            if 0 < params.top_k < scaled.shape[-1] or params.top_p < 1.0:
+                scaled[s] = _filter_top_k_top_p(scaled[s], params.top_k, params.top_p)
+        uniforms = [_uniform(rows[b].params.seed if rows[b].params.seed is not None else 0, rows[b].index)
+                    for b in sampled]
+        for b, token in zip(sampled, _draw(torch.softmax(scaled, -1), uniforms)):
+            tokens[b] = token
+    return tokens
+
+
+def _banned_and_penalised(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """logits [V] -> a copy with the row's banned tokens at -inf and its penalties applied."""
+    logits = logits.clone()
+    if row.banned:
+        logits[list(row.banned)] = float("-inf")
+    return apply_penalties(logits, row.params, row.prompt_token_ids, row.output_token_ids)
+
+
+def _uniform(seed: int, index: int) -> float:
+    """The draw's uniform number in [0, 1), fixed by (seed, index). A float32 draw: multiplied by a
+    float64 total it stays strictly below the total, so `_draw` never falls off the end."""
+    return float(torch.rand(1, generator=_generator(seed, index)))
+
+
+def _draw(probs: torch.Tensor, uniforms: list[float]) -> list[int | Exception]:
+    """Inverse-CDF draw: row s takes the first token whose cumulative probability exceeds uniforms[s]
+    times the row's total. probs: [S, V].
+
+    Why not torch.multinomial: on CPU it costs ~0.85 ms per 32k-vocab row (exponential_ ~0.75 ms);
+    this costs ~0.05 ms, which is most of a decode step's sampling at batch 50. The float64 running
+    sum keeps the draw exact to the probabilities' own precision over any vocabulary; a token of
+    probability 0 is never drawn (its cumulative sum equals its predecessor's, and the search takes
+    the first one strictly above the target).
+    """
+    cdf = probs.double().cumsum(-1)  # [S, V]
+    totals = cdf[:, -1]
+    targets = torch.tensor(uniforms, dtype=torch.float64, device=cdf.device) * totals  # [S]
+    drawn = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0].tolist()
+    return [token if math.isfinite(total) and total > 0.0 else
+            ValueError(f"cannot sample: the probabilities are not finite or sum to {total}")
+            for token, total in zip(drawn, totals.tolist())]
 
 
 def finish_reason_for(

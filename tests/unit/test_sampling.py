@@ -13,6 +13,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from distserve.engine import sampling
 from distserve.engine.sampling import (
     FinishReason,
+    SampleRow,
     SamplingParams,
     apply_penalties,
     banned_token_ids,
@@ -279,3 +280,45 @@ def test_finish_reason_for(token, num_generated, total_len, params, expected):
 def test_is_greedy():
     assert SamplingParams(temperature=0.0).is_greedy
     assert not SamplingParams(temperature=0.7).is_greedy
+
+
+# --- batched draws ---------------------------------------------------------------
+
+
+def test_a_batch_draws_what_each_row_draws_alone():
+    logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(11))
+    before = logits.clone()
+    rows = [
+        SampleRow(GREEDY, 0),
+        SampleRow(SamplingParams(seed=1), 3),
+        SampleRow(SamplingParams(temperature=0.7, top_k=20, seed=2), 5, banned=[int(logits[2].argmax())]),
+        SampleRow(GREEDY, 1, banned=[int(logits[3].argmax())]),
+        SampleRow(SamplingParams(temperature=1.3, top_p=0.8, min_p=0.01, seed=3), 0),
+        SampleRow(SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, seed=4), 2, (), [1, 2], [3, 3]),
+        SampleRow(SamplingParams(temperature=0.0, presence_penalty=1.0), 2, (), [], [int(logits[6].argmax())]),
+    ]
+    batch = sampling.sample_tokens(logits, rows)
+    alone = [sample_token(logits[b], *row) for b, row in enumerate(rows)]
+    assert batch == alone
+    assert torch.equal(logits, before)
+    assert batch[3] != int(logits[3].argmax()) and batch[6] != int(logits[6].argmax())
+
+
+def test_draws_follow_the_probabilities():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    logits = probs.clamp_min(1e-45).log().masked_fill(probs == 0, float("-inf"))
+    counts = collections.Counter(sample_token(logits, SamplingParams(seed=9), i, []) for i in range(4000))
+    assert counts[1] == counts[5] == 0  # probability 0 is never drawn
+    for token, p in enumerate(probs.tolist()):
+        if p > 0:  # within 4 standard deviations of the expected count
+            assert abs(counts[token] - 4000 * p) < 4 * math.sqrt(4000 * p * (1 - p)), (token, counts)
+
+
+def test_a_row_with_non_finite_probabilities_fails_alone():
+    logits = torch.zeros(3, 10)
+    logits[1] = float("nan")
+    tokens = sampling.sample_tokens(logits, [SampleRow(SamplingParams(seed=1), 0)] * 3)
+    assert isinstance(tokens[1], ValueError) and "not finite" in str(tokens[1])
+    assert all(isinstance(t, int) for t in (tokens[0], tokens[2]))
+    with pytest.raises(ValueError, match="not finite"):
+        sample_token(logits[1], SamplingParams(seed=1), 0, [])
