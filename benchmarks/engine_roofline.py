@@ -60,6 +60,26 @@ def decode_step_s(runner: ModelRunner, batch: int, context: int) -> float:
     return timed(lambda: runner.decode(cache, tables, [context] * batch, [7] * batch), 20, stat=statistics.median)
 
 
+def linear_sweep(runner: ModelRunner, rows_list=(1, 2, 4, 6, 8, 12, 16)) -> dict:
+    """GB/s streamed through one layer's linears plus lm_head, per batch rows: our kernel against
+    oneDNN's prepacked matmul (where linear.SKINNY_ROWS comes from)."""
+    from distserve.engine.cpu_kernels import cpu_kernels
+
+    kernels, w = cpu_kernels(), runner.model.weights
+    linears = [*w.layers[0].linears, w.lm_head]
+    num_bytes = sum(lin.num_bytes for lin in linears)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(lin.weight, 1) for lin in linears]
+    sweep = {}
+    for rows in rows_list:
+        xs = [torch.randn(rows, lin.in_features, dtype=runner.model.dtype) for lin in linears]
+        ours = timed(lambda: [kernels.skinny_linear(x, lin.weight) for x, lin in zip(xs, linears)], 20,
+                     stat=statistics.median) if kernels is not None else float("nan")
+        onednn = timed(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                for x, p in zip(xs, packed)], 20, stat=statistics.median)
+        sweep[str(rows)] = {"ours_gbps": num_bytes / ours / 1e9, "onednn_gbps": num_bytes / onednn / 1e9}
+    return sweep
+
+
 def prefill_flops(runner: ModelRunner, num_tokens: int) -> float:
     """Matmul FLOPs of one prompt: linear layers on every token, causal attention, one lm_head row."""
     a, w = runner.model.args, runner.model.weights
@@ -112,6 +132,7 @@ def main() -> None:
         "prefill_gflops": flops / prefill_s / 1e9,
         "prefill_fraction_of_matmul_peak": flops / prefill_s / 1e9 / peak,
         "prefill_tokens_per_s_by_prompt_length": saturation,
+        "linear_gbps_by_rows": linear_sweep(runner),
         "kv_bytes_per_token": 2 * a.num_layers * a.num_kv_heads * a.head_dim * runner.model.dtype.itemsize,
     }
     if args.out:

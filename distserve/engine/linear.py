@@ -1,11 +1,12 @@
 """Linear layers with weights prepared for the device's fastest matmul, chosen per call by batch rows.
 
 On CPU, measured on one core (benchmarks/engine_roofline.py, README "Engine"):
-- one row (batch-1 decode; up to 4 in float32): our compiled GEMV (csrc/skinny_matmul.cpp) streams
-  the weight at 10-18 GB/s, 1.3-1.6x faster than oneDNN there;
-- more rows (prefill, decode batches): the weight prepacked into oneDNN's blocked layout, 1.3-2x
-  faster than `F.linear` from 4 to 256 rows in float32 and bfloat16. It is packed on first use, so
-  a worker that never runs batches holds no second copy.
+- few rows (small-batch decode: up to 2 in bfloat16, 8 in float32): our compiled kernel
+  (csrc/skinny_matmul.cpp: register-tiled AVX-512, bf16 dot products, software prefetch) streams
+  the weights 1.1-1.4x faster than oneDNN there (a decode step at batch 1: 1.2x in bf16, 1.3x in fp32);
+- more rows (prefill, larger decode batches): the weight prepacked into oneDNN's blocked layout,
+  1.3-2x faster than `F.linear` from 4 to 256 rows in float32 and bfloat16. It is packed on first
+  use, so a worker that never runs batches holds no second copy.
 Elsewhere (CUDA, or no compiler/oneDNN) it is plain `F.linear`.
 """
 
@@ -16,9 +17,10 @@ import torch.nn.functional as F
 
 from distserve.engine.cpu_kernels import cpu_kernels
 
-# Most rows for which the GEMV beats oneDNN (measured): its dot products are single FMA chains, so
-# its cost grows with rows while oneDNN's barely does.
-SKINNY_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+# Most rows for which our kernel beats oneDNN (measured: benchmarks/engine_roofline.py,
+# "linear_gbps_by_rows"): beyond them its per-row reductions and passes over the tile cost more than
+# oneDNN's blocking saves.
+SKINNY_ROWS = {torch.float32: 8, torch.bfloat16: 2}
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:

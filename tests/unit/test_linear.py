@@ -24,8 +24,19 @@ def test_linear_equals_f_linear_for_every_batch_size(dtype, tolerance, rows, wit
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_the_compiled_gemv_is_built_and_matches_at_one_row():
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13])
+@pytest.mark.parametrize("out_features, in_features", [(300, 512), (37, 64), (64, 1408), (9, 40)])
+def test_the_compiled_kernel_is_built_and_matches(dtype, tolerance, rows, out_features, in_features):
+    """Every tile shape: rows beyond a pass of 4, weight rows not a multiple of the tile (the tail), and
+    an in_features the vector loop cannot step through (40: the portable path)."""
     kernels = cpu_kernels()
     assert kernels is not None, "the CPU kernels must build here (compiler and ninja are installed)"
-    weight, x = torch.randn(300, 512), torch.randn(1, 512)
-    torch.testing.assert_close(kernels.skinny_linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    generator = torch.Generator().manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    expected = F.linear(x.float(), weight.float())
+    scale = expected.abs().max()
+    got = kernels.skinny_linear(x, weight)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float() / scale, expected / scale, atol=tolerance, rtol=0)
