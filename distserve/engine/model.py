@@ -66,6 +66,7 @@ class LlamaModel:
         self.weights = weights
         self.cos, self.sin = cos, sin  # [P, D]
         self.act = _activation(args.hidden_act)
+        self.fused_silu_mul = _fused_silu_and_mul(args.hidden_act, weights.embed)
 
     @property
     def device(self) -> torch.device:
@@ -87,7 +88,10 @@ class LlamaModel:
         return q, k, v.view(-1, a.num_kv_heads, a.head_dim)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [N, I] each
+        gate_up = layer.gate_up(x)  # [N, 2I]
+        if self.fused_silu_mul is not None:
+            return layer.down(self.fused_silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
         return layer.down(self.act(gate) * up)
 
     def _layer(self, layer: LayerWeights, h: torch.Tensor, attend) -> torch.Tensor:
@@ -155,6 +159,17 @@ class PagedStep:
                  slots: torch.Tensor, window: int | None):
         self.cache, self.slots = cache, slots
         self.attention = PagedDecodeAttention(cache, block_tables, positions + 1, window)
+
+
+def _fused_silu_and_mul(act_name: str, like: torch.Tensor):
+    """Our one-pass silu(gate) * up (csrc/silu_and_mul.cpp) for bfloat16 on a CPU with AVX512-BF16,
+    else None. float32 keeps torch's ops: token-exact with transformers."""
+    from distserve.engine.cpu_kernels import cpu_kernels, has_op
+
+    if act_name not in ("silu", "swish") or like.dtype != torch.bfloat16 or like.device.type != "cpu":
+        return None
+    kernels = cpu_kernels()
+    return kernels.silu_and_mul_bf16 if kernels is not None and has_op(kernels, "silu_and_mul_bf16") else None
 
 
 def _activation(name: str):

@@ -110,3 +110,41 @@ def test_packed_prompts_do_not_attend_to_each_other():
     alone = prefill_attention(q[3:], k[3:], v[3:], [types.SimpleNamespace(start=0, length=7, position=0,
                                                                          kv=torch.empty(1, 2, 7, 2, 4))], 0, None)
     torch.testing.assert_close(packed[3:], alone)
+
+
+def _masked_reference(q, kv, position, window):
+    """float32 SDPA for a chunk of q [n, H, D] at `position` against kv [2, T, Hkv, D] -> [n, H * D]."""
+    n, end = q.shape[0], position + q.shape[0]
+    q_positions, keys = torch.arange(position, end), torch.arange(end)
+    mask = keys[None, :] <= q_positions[:, None]
+    if window:
+        mask &= keys[None, :] > q_positions[:, None] - window
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], kv[0, :end].float().transpose(0, 1)[None],
+                                         kv[1, :end].float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(n, -1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 4), (8, 1)])
+@pytest.mark.parametrize("length, position, window", [
+    (1, 0, 0), (5, 0, 0), (70, 0, 0), (37, 100, 0), (33, 20, 16), (100, 0, 30), (3, 50, 7)])
+def test_compiled_bf16_prefill_attention_equals_sdpa(head_dim, heads, kv_heads, length, position, window):
+    """Chunks at any position, sliding windows, GQA groups, and lengths that end mid query-block and
+    mid key-block, against float32 SDPA (bf16-level tolerance: the output is rounded to bf16)."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(length * 7 + position)
+    q = torch.randn(length, heads, head_dim, generator=generator).bfloat16()
+    kv = torch.randn(2, position + length + 3, kv_heads, head_dim, generator=generator).bfloat16()
+    got = kernels.prefill_attention_bf16(q, kv, position, window, head_dim ** -0.5)
+    assert got.shape == (length, heads * head_dim) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), _masked_reference(q, kv, position, window), atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_prefill_uses_the_compiled_kernel_and_float32_keeps_sdpa():
+    from distserve.engine.attention import bf16_prefill_kernel
+
+    assert bf16_prefill_kernel(torch.empty(1, 8, 64, dtype=torch.bfloat16)) is not None
+    assert bf16_prefill_kernel(torch.empty(1, 8, 64)) is None  # float32: token-exact with transformers
+    assert bf16_prefill_kernel(torch.empty(1, 8, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
+

@@ -69,3 +69,34 @@ def test_chunked_prefill_equals_whole_prefill(model_folder):
         last = runner.prefill_chunks([PrefillWork(prompt[begin:end], begin, kv, end == len(prompt))])
     torch.testing.assert_close(last, logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kv, whole_kv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def head_dim_64_folder(request, tmp_path_factory):
+    """The same families with head_dim 64, the size our compiled bf16 kernels take."""
+    import transformers
+
+    config_class, extra = FAMILIES[request.param]
+    config = getattr(transformers, config_class)(**{**COMMON, "hidden_size": 256, "intermediate_size": 160}, **extra)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    folder = tmp_path_factory.mktemp(request.param + "-64")
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def test_bf16_prefill_with_compiled_kernels_tracks_float32_transformers(head_dim_64_folder):
+    """bf16 prefill (our prefill attention and fused MLP kernels, Mistral's window included) stays as
+    close to float32 transformers as bf16 rounding allows: the same bound torch's own ops meet."""
+    import distserve.engine.attention as attention
+
+    runner = ModelRunner(load_engine_model(head_dim_64_folder, "bfloat16", "cpu"))
+    assert runner.model.fused_silu_mul is not None and attention.bf16_prefill_kernel(
+        torch.empty(1, 4, 64, dtype=torch.bfloat16)) is not None
+    reference_model = load_model(head_dim_64_folder, "float32", "cpu")
+    prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        expected = reference_model(torch.tensor([prompt])).logits[0, -1]
+    logits, _ = runner.prefill([prompt])
+    relative_error = float((logits[0] - expected).norm() / expected.norm())
+    assert relative_error < 0.02, relative_error  # torch's ops: ~0.0065 here, and so do ours
