@@ -16,14 +16,13 @@ Measures, in one process pinned to `--threads` cores:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
 from benchmarks.results_io import write_results
+from benchmarks.worker_env import reexec_like_a_worker
 from distserve.engine.kv_cache import PagedKvCache, blocks_needed
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
@@ -88,17 +87,8 @@ def prefill_flops(runner: ModelRunner, num_tokens: int) -> float:
     return a.num_layers * (2 * layer_params * num_tokens + attention) + 2 * w.lm_head.in_features * w.lm_head.out_features
 
 
-def run_like_a_worker() -> None:
-    """Re-executes with the malloc settings workers get from the launcher (read only at process start)."""
-    from distserve.launcher import WORKER_MALLOC_ENV
-
-    if any(key not in os.environ for key in WORKER_MALLOC_ENV):
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.engine_roofline", *sys.argv[1:]],
-                  {**os.environ, **WORKER_MALLOC_ENV})
-
-
 def main() -> None:
-    run_like_a_worker()
+    reexec_like_a_worker("benchmarks.engine_roofline")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default:small")
     parser.add_argument("--dtype", default="float32")

@@ -1,0 +1,116 @@
+"""Interleaved A/Bs of the engine's kernel choices, one process, one core.
+
+This box's speed drifts by 30-50% within minutes, so two separate runs cannot compare kernels. Each
+A/B here alternates its two arms call by call and reports the medians:
+
+- decode step, linear layers: our small-batch kernel against oneDNN, by batch (linear.SKINNY_ROWS);
+- bf16 prefill: our attention and fused silu*up kernels against SDPA and torch's ops, by prompt length;
+- sampling a temperature-1 batch: batched inverse-CDF draws against torch.multinomial per row.
+
+    python -m benchmarks.kernel_ab --out benchmarks/results/kernel_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.results_io import write_results
+from benchmarks.worker_env import reexec_like_a_worker
+from distserve.engine import attention
+from distserve.engine.kv_cache import PagedKvCache, blocks_needed
+from distserve.engine.model_loader import load_engine_model, resolve_model_path
+from distserve.engine.model_runner import ModelRunner
+from distserve.engine.sampling import SampleRow, SamplingParams, sample_tokens
+
+
+def interleaved(arms: dict, repeats: int = 10) -> dict[str, float]:
+    """Median ms of each arm: {name: (set_up, call)}; set_up() switches to the arm, call() is timed."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, (set_up, call) in arms.items():
+            set_up()
+            call()  # once untimed: the switch's first call may pack weights or warm caches
+            started = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - started)
+    return {name: round(statistics.median(t) * 1e3, 2) for name, t in times.items()}
+
+
+def decode_linear_ab(model: str, dtype: str) -> dict:
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
+    w = runner.model.weights
+    linears = [lin for layer in w.layers for lin in layer.linears] + [w.lm_head]
+    ours_up_to = linears[0]._skinny_rows
+
+    def rows_limit(limit: int):
+        return lambda: [setattr(lin, "_skinny_rows", limit) for lin in linears]
+
+    a, context, results = runner.model.args, 256, {}
+    for batch in (1, 2, 4, 8, 12):
+        per_seq = blocks_needed(context + 1, 16)
+        cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, per_seq * batch, 16, runner.model.dtype,
+                             runner.device)
+        tables = [cache.allocator.allocate(per_seq) for _ in range(batch)]
+        step = lambda: runner.decode(cache, tables, [context] * batch, [7] * batch)  # noqa: E731
+        results[str(batch)] = interleaved({"onednn_ms": (rows_limit(0), step), "ours_ms": (rows_limit(99), step)})
+    rows_limit(ours_up_to)()
+    return {"dtype": dtype, "ours_used_up_to_rows": ours_up_to, "decode_step_by_batch": results}
+
+
+def prefill_ab(model: str) -> dict:
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
+    kernel_choice, fused = attention.bf16_prefill_kernel, runner.model.fused_silu_mul
+
+    def use(ours: bool):
+        def set_up():
+            attention.bf16_prefill_kernel = kernel_choice if ours else (lambda q: None)
+            runner.model.fused_silu_mul = fused if ours else None
+        return set_up
+
+    results = {}
+    for length in (256, 1024):
+        prompt = list(range(10, 10 + length))
+        prefill = lambda: runner.prefill([prompt])  # noqa: E731
+        results[str(length)] = interleaved({"torch_ms": (use(False), prefill), "ours_ms": (use(True), prefill)}, 6)
+    use(True)()
+    return {"dtype": "bfloat16", "prefill_by_prompt_length": results}
+
+
+def sampling_ab(vocab: int = 32000) -> dict:
+    results = {}
+    for batch in (6, 50):
+        logits = torch.randn(batch, vocab)
+        rows = [SampleRow(SamplingParams(seed=b), 3) for b in range(batch)]
+
+        def per_row_multinomial():
+            for b in range(batch):
+                generator = torch.Generator().manual_seed(b)
+                torch.multinomial(torch.softmax(logits[b], -1), 1, generator=generator)
+
+        results[str(batch)] = interleaved({"multinomial_per_row_ms": (lambda: None, per_row_multinomial),
+                                           "batched_ms": (lambda: None, lambda: sample_tokens(logits, rows))})
+    return {"vocab": vocab, "temperature_1_by_batch": results}
+
+
+def main() -> None:
+    reexec_like_a_worker("benchmarks.kernel_ab")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default:small")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = {"model": args.model, "threads": 1,
+              "decode_linear": [decode_linear_ab(args.model, dtype) for dtype in ("bfloat16", "float32")],
+              "prefill_kernels": prefill_ab(args.model), "sampling": sampling_ab()}
+    if args.out:
+        write_results(args.out, result)
+    else:
+        print(result)
+
+
+if __name__ == "__main__":
+    main()
