@@ -40,7 +40,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks,
         buffer[0, chunk.position:end] = k[rows]
         buffer[1, chunk.position:end] = v[rows]
         if kernel is not None:
-            out[rows] = kernel(q[rows], buffer, chunk.position, window or 0, q.shape[-1] ** -0.5)
+            out[rows] = kernel(q[rows].contiguous(), buffer, chunk.position, window or 0, q.shape[-1] ** -0.5)
             continue
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kc = buffer[0, :end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, end, D]

@@ -15,7 +15,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "skinny_matmul.cpp",
-                                                                        "prefill_attention.cpp", "silu_and_mul.cpp")]
+                                                                        "prefill_attention.cpp", "silu_and_mul.cpp",
+                                                                        "norm_rope.cpp")]
 _lock = threading.Lock()
 _module = None
 _tried = False

@@ -67,6 +67,7 @@ class LlamaModel:
         self.cos, self.sin = cos, sin  # [P, D]
         self.act = _activation(args.hidden_act)
         self.fused_silu_mul = _fused_silu_and_mul(args.hidden_act, weights.embed)
+        self.fused_small_ops = _fused_norm_rope(weights.embed, args.hidden_size, args.head_dim)
 
     @property
     def device(self) -> torch.device:
@@ -76,15 +77,19 @@ class LlamaModel:
     def dtype(self) -> torch.dtype:
         return self.weights.embed.dtype
 
-    def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
-        """x: [N, hidden] -> q [N, H, D], k [N, Hkv, D], v [N, Hkv, D] with RoPE applied to q and k."""
+    def _qkv(self, layer: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """x: [N, hidden] -> q [N, H, D], k [N, Hkv, D], v [N, Hkv, D] with RoPE applied to q and k.
+        rope: this step's cos, sin rows [N, D]."""
         a = self.args
         qkv = layer.qkv(x)  # [N, (H + 2 Hkv) D]
+        if self.fused_small_ops is not None:  # q and k rotated in place, in qkv
+            self.fused_small_ops.rope_bf16_(qkv, rope[0], rope[1], a.num_heads + a.num_kv_heads, a.head_dim)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
                              a.num_kv_heads * a.head_dim], dim=-1)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [N, 1, D]
-        q = apply_rope(q.view(-1, a.num_heads, a.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)
+        q, k = q.view(-1, a.num_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim)
+        if self.fused_small_ops is None:
+            cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)  # [N, 1, D]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v.view(-1, a.num_kv_heads, a.head_dim)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -94,15 +99,24 @@ class LlamaModel:
         gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
         return layer.down(self.act(gate) * up)
 
-    def _layer(self, layer: LayerWeights, h: torch.Tensor, attend) -> torch.Tensor:
-        """One decoder layer on h [N, hidden]; attend(x) is the attention block's output [N, H * D]."""
-        eps = self.args.rms_norm_eps
-        h = h + layer.o(attend(rms_norm(h, layer.input_norm, eps)))
-        return h + self._mlp(layer, rms_norm(h, layer.post_attention_norm, eps))
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_small_ops is not None:
+            return self.fused_small_ops.add_rms_norm_bf16(x, None, weight, self.args.rms_norm_eps)[1]
+        return rms_norm(x, weight, self.args.rms_norm_eps)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [B, hidden] -> float32 logits [B, V]."""
-        return self.weights.lm_head(rms_norm(h, self.weights.norm, self.args.rms_norm_eps)).float()
+    def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
+        """(residual + delta, its RMSNorm with weight): one fused pass in bf16 on CPU."""
+        if self.fused_small_ops is not None:
+            return self.fused_small_ops.add_rms_norm_bf16(residual, delta, weight, self.args.rms_norm_eps)
+        h = residual + delta
+        return h, rms_norm(h, weight, self.args.rms_norm_eps)
+
+    def _layer(self, layer: LayerWeights, h: torch.Tensor, normed: torch.Tensor, attend, next_norm: torch.Tensor):
+        """One decoder layer on h [N, hidden], whose input norm `normed` the previous layer computed;
+        attend(x) is the attention block's output [N, H * D]. Returns (h out, h out normed with
+        next_norm: the next layer's input norm, or the final norm)."""
+        h, normed = self._add_norm(h, layer.o(attend(normed)), layer.post_attention_norm)
+        return self._add_norm(h, self._mlp(layer, normed), next_norm)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, chunks: list[PrefillChunk],
@@ -117,10 +131,13 @@ class LlamaModel:
         logits are computed.
         """
         num_prefill = sum(c.length for c in chunks)
+        layers = self.weights.layers
+        rope = self.cos[positions], self.sin[positions]  # [N, D] each, shared by every layer
         h = self.weights.embed[input_ids]  # [N, hidden]
-        for i, layer in enumerate(self.weights.layers):
+        normed = self._norm(h, layers[0].input_norm)
+        for i, layer in enumerate(layers):
             def attend(x, i=i, layer=layer):
-                q, k, v = self._qkv(layer, x, positions)
+                q, k, v = self._qkv(layer, x, rope)
                 parts = []
                 if chunks:
                     parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], chunks, i,
@@ -129,8 +146,9 @@ class LlamaModel:
                     paged.cache.write_slots(i, paged.slots, k[num_prefill:], v[num_prefill:])
                     parts.append(paged.attention(q[num_prefill:], paged.cache.layer(i)))
                 return parts[0] if len(parts) == 1 else torch.cat(parts)
-            h = self._layer(layer, h, attend)
-        return self._logits(h[logits_rows])
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.norm
+            h, normed = self._layer(layer, h, normed, attend, next_norm)
+        return self.weights.lm_head(normed[logits_rows]).float()  # float32 logits [len(logits_rows), V]
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, chunks: list[PrefillChunk],
                 logits_rows: list[int]) -> torch.Tensor:
@@ -159,6 +177,18 @@ class PagedStep:
                  slots: torch.Tensor, window: int | None):
         self.cache, self.slots = cache, slots
         self.attention = PagedDecodeAttention(cache, block_tables, positions + 1, window)
+
+
+def _fused_norm_rope(like: torch.Tensor, hidden_size: int, head_dim: int):
+    """torch.ops.distserve with add_rms_norm_bf16 and rope_bf16_ (csrc/norm_rope.cpp) for a bfloat16
+    model on a CPU with AVX512-BF16 and sizes they take, else None (torch's ops: float32 stays
+    token-exact with transformers)."""
+    from distserve.engine.cpu_kernels import cpu_kernels, has_op
+
+    if like.dtype != torch.bfloat16 or like.device.type != "cpu" or hidden_size % 16 or head_dim % 32:
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and has_op(kernels, "add_rms_norm_bf16") else None
 
 
 def _fused_silu_and_mul(act_name: str, like: torch.Tensor):

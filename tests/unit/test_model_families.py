@@ -86,12 +86,13 @@ def head_dim_64_folder(request, tmp_path_factory):
 
 
 def test_bf16_prefill_with_compiled_kernels_tracks_float32_transformers(head_dim_64_folder):
-    """bf16 prefill (our prefill attention and fused MLP kernels, Mistral's window included) stays as
+    """bf16 prefill (our prefill attention, fused norm/RoPE/MLP kernels, Mistral's window included) stays as
     close to float32 transformers as bf16 rounding allows: the same bound torch's own ops meet."""
     import distserve.engine.attention as attention
 
     runner = ModelRunner(load_engine_model(head_dim_64_folder, "bfloat16", "cpu"))
-    assert runner.model.fused_silu_mul is not None and attention.bf16_prefill_kernel(
+    assert runner.model.fused_small_ops is not None and runner.model.fused_silu_mul is not None
+    assert attention.bf16_prefill_kernel(
         torch.empty(1, 4, 64, dtype=torch.bfloat16)) is not None
     reference_model = load_model(head_dim_64_folder, "float32", "cpu")
     prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -100,3 +101,21 @@ def test_bf16_prefill_with_compiled_kernels_tracks_float32_transformers(head_dim
     logits, _ = runner.prefill([prompt])
     relative_error = float((logits[0] - expected).norm() / expected.norm())
     assert relative_error < 0.02, relative_error  # torch's ops: ~0.0065 here, and so do ours
+
+
+def test_bf16_decode_with_compiled_kernels_tracks_float32_transformers(head_dim_64_folder):
+    """The decode rows of a bf16 step (paged attention, fused norm/RoPE/MLP kernels) too."""
+    runner = ModelRunner(load_engine_model(head_dim_64_folder, "bfloat16", "cpu"))
+    reference_model = load_model(head_dim_64_folder, "float32", "cpu")
+    tokens = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    _, (kv,) = runner.prefill([tokens])
+    cache = PagedKvCache(2, 2, 64, 16, BLOCK_SIZE, torch.bfloat16, "cpu")
+    table = cache.allocator.allocate(blocks_needed(len(tokens) + 4, BLOCK_SIZE))
+    cache.write_prompt(table, kv)
+    for step, token in enumerate([5, 17, 250]):
+        logits = runner.decode(cache, [table], [len(tokens)], [token])[0]
+        tokens.append(token)
+        with torch.no_grad():
+            expected = reference_model(torch.tensor([tokens])).logits[0, -1]
+        relative_error = float((logits - expected).norm() / expected.norm())
+        assert relative_error < 0.02, (step, relative_error)
