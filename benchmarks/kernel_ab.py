@@ -4,7 +4,8 @@ This box's speed drifts by 30-50% within minutes, so two separate runs cannot co
 A/B here alternates its two arms call by call and reports the medians:
 
 - decode step, linear layers: our small-batch kernel against oneDNN, by batch (linear.SKINNY_ROWS);
-- bf16 prefill: our attention and fused silu*up kernels against SDPA and torch's ops, by prompt length;
+- bf16 prefill: our attention and fused kernels (silu*up, add+RMSNorm, RoPE) against SDPA and torch's
+  ops, by prompt length; bf16 decode steps with the fused kernels against torch's ops, by batch;
 - sampling a temperature-1 batch: batched inverse-CDF draws against torch.multinomial per row.
 
     python -m benchmarks.kernel_ab --out benchmarks/results/kernel_ab.json
@@ -63,12 +64,13 @@ def decode_linear_ab(model: str, dtype: str) -> dict:
 
 def prefill_ab(model: str) -> dict:
     runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
-    kernel_choice, fused = attention.bf16_prefill_kernel, runner.model.fused_silu_mul
+    model = runner.model
+    kernel_choice, silu_mul, small_ops = attention.bf16_prefill_kernel, model.fused_silu_mul, model.fused_small_ops
 
     def use(ours: bool):
         def set_up():
             attention.bf16_prefill_kernel = kernel_choice if ours else (lambda q: None)
-            runner.model.fused_silu_mul = fused if ours else None
+            model.fused_silu_mul, model.fused_small_ops = (silu_mul, small_ops) if ours else (None, None)
         return set_up
 
     results = {}
@@ -76,8 +78,16 @@ def prefill_ab(model: str) -> dict:
         prompt = list(range(10, 10 + length))
         prefill = lambda: runner.prefill([prompt])  # noqa: E731
         results[str(length)] = interleaved({"torch_ms": (use(False), prefill), "ours_ms": (use(True), prefill)}, 6)
+    decode = {}
+    a, context = model.args, 256
+    for batch in (1, 8, 32):
+        per_seq = blocks_needed(context + 1, 16)
+        cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, per_seq * batch, 16, model.dtype, runner.device)
+        tables = [cache.allocator.allocate(per_seq) for _ in range(batch)]
+        step = lambda: runner.decode(cache, tables, [context] * batch, [7] * batch)  # noqa: E731
+        decode[str(batch)] = interleaved({"torch_ms": (use(False), step), "ours_ms": (use(True), step)})
     use(True)()
-    return {"dtype": "bfloat16", "prefill_by_prompt_length": results}
+    return {"dtype": "bfloat16", "prefill_by_prompt_length": results, "decode_step_by_batch": decode}
 
 
 def sampling_ab(vocab: int = 32000) -> dict:

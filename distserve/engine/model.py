@@ -7,8 +7,10 @@
   attention reads the cache layer by layer through the block tables (`paged_attention`).
 
 Maths follows transformers' modeling code op for op (RMSNorm in float32, rotate-half RoPE, SDPA
-with scale 1/sqrt(D)), so float32 output matches `generate(do_sample=False)` token for token. The
-same code runs on CUDA: nothing here is CPU-specific.
+with scale 1/sqrt(D)), so float32 output matches `generate(do_sample=False)` token for token. A
+bfloat16 model on a CPU with AVX512-BF16 runs the same maths through fused kernels (csrc/: add +
+RMSNorm, RoPE, silu*up, prefill attention), within bf16 rounding of the torch ops. The same code
+runs on CUDA, with torch's ops.
 """
 
 from __future__ import annotations
