@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -112,10 +113,24 @@ class ClusterSpec:
     colocated_args: list[str] = dataclasses.field(default_factory=list)
     cpus: str = ""  # cores to split among the workers, e.g. 0-3; empty: those the launcher may run on
     share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
+    # Cores for the router, gateway, kvbroker and Redis, e.g. the decode workers' ("": not pinned, they
+    # run wherever the OS puts them, prefill cores included). See README "Side by side" for the trade.
+    control_cpus: str = ""
     tls: TlsConfig = PLAINTEXT  # mutual TLS for every gRPC service, and for the launcher's health checks
     supervise: bool = False  # True: restart any child that dies (see distserve.supervisor)
     restart_policy: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
     state_file: str = ""  # where to keep the JSON description of the children ("": nowhere)
+
+
+def plan_control_cpus(spec: ClusterSpec) -> list[int] | None:
+    """The control plane's cores (spec.control_cpus), checked against this process's; None: not pinned."""
+    if not spec.control_cpus:
+        return None
+    cpus, allowed = parse_cpu_list(spec.control_cpus, "control_cpus"), os.sched_getaffinity(0)
+    if not set(cpus) <= allowed:
+        raise ConfigError(f"control_cpus: cores {sorted(set(cpus) - allowed)} are not available "
+                          f"(this process may use {sorted(allowed)})")
+    return cpus
 
 
 def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
@@ -147,6 +162,7 @@ class ManagedProcess:
     port_moves: int = 0  # starts on fresh ports after its auto-chosen ones were taken
     restarts: int = 0  # by the supervisor
     state: str = "running"  # "running" | "restarting" | "failed" (see distserve.supervisor)
+    cpus: list[int] | None = None  # cores it starts pinned to (a control-plane process); None: inherited
 
     def exit_code(self) -> int | None:
         return self.popen.poll()
@@ -173,6 +189,7 @@ class Cluster:
         self.redis_url = spec.redis_url
         self.gateway_url = ""
         self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
+        self.control_cpus = plan_control_cpus(spec)  # the other children's cores, or None
         self.supervisor: Supervisor | None = None
         self.metrics = LauncherMetrics(lambda: list(self.processes.values()))
         self.metrics_url = ""  # the launcher's own Prometheus endpoint, once started
@@ -287,7 +304,8 @@ class Cluster:
         full_env = {**os.environ, **self.spec.tls.tls_env(), **self.spec.env, **(env or {})}
         root = str(Path(__file__).resolve().parent.parent)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
-        process = ManagedProcess(name, None, self.log_dir / f"{name}.log", argv, full_env)  # type: ignore[arg-type]
+        process = ManagedProcess(name, None, self.log_dir / f"{name}.log", argv, full_env,  # type: ignore[arg-type]
+                                 cpus=None if name in self.worker_cpus else self.control_cpus)
         process.popen = _popen(process, "wb")
         self.processes[name] = process
         return process
@@ -394,11 +412,19 @@ def _popen(process: ManagedProcess, mode: str) -> subprocess.Popen:
     def spawn() -> subprocess.Popen:
         with open(process.log_path, mode) as log_file:
             return subprocess.Popen(process.argv, stdout=log_file, stderr=subprocess.STDOUT, env=process.env,
-                                    start_new_session=True, preexec_fn=_die_with_launcher)
+                                    start_new_session=True, preexec_fn=functools.partial(_before_exec, process.cpus))
     return _SPAWNER.submit(spawn).result()
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _before_exec(cpus: list[int] | None) -> None:
+    """Runs in the child before exec: dies with the launcher, and starts on `cpus` when given (every
+    thread the program later starts inherits them)."""
+    _die_with_launcher()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 def _die_with_launcher() -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import pytest
 import torch
 
 from distserve.config import ConfigError, parse_config
 from distserve.cpus import apply_cpus, format_cpu_list, parse_cpu_list, pin_process, split_cores
-from distserve.launcher import ClusterSpec, plan_worker_cpus
+from distserve.launcher import Cluster, ClusterSpec, plan_control_cpus, plan_worker_cpus
 from services.decode.config import DecodeConfig
 from services.prefill.config import PrefillConfig
 
@@ -80,6 +81,33 @@ def test_launcher_rejects_cores_it_may_not_use():
     missing = max(os.sched_getaffinity(0)) + 1
     with pytest.raises(ConfigError, match=r"^cpus: .*not available"):
         plan_worker_cpus(ClusterSpec(model="m", cpus=str(missing)))
+
+
+def test_control_plane_children_start_on_the_control_cpus(tmp_path):
+    """Router, gateway, kvbroker and Redis start pinned to --control-cpus (a real child, from the
+    launcher's own spawn path); workers are left to pin themselves from their --cpus."""
+    allowed = os.sched_getaffinity(0)
+    core = max(allowed)
+    cluster = Cluster(ClusterSpec(model="m", num_prefill=1, num_decode=1, control_cpus=str(core),
+                                  log_dir=str(tmp_path)))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    children = [cluster._spawn("router", sleeper), cluster._spawn("prefill-0", sleeper)]
+    try:
+        assert os.sched_getaffinity(children[0].popen.pid) == {core}
+        assert os.sched_getaffinity(children[1].popen.pid) == allowed
+    finally:
+        for child in children:
+            child.popen.kill()
+            child.popen.wait()
+
+
+def test_control_cpus_default_to_unpinned_and_must_exist():
+    assert plan_control_cpus(ClusterSpec(model="m")) is None
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ConfigError, match=r"^control_cpus: .*not available"):
+        plan_control_cpus(ClusterSpec(model="m", control_cpus=str(missing)))
+    with pytest.raises(ConfigError, match=r"^control_cpus: "):
+        plan_control_cpus(ClusterSpec(model="m", control_cpus="one"))
 
 
 @pytest.fixture
