@@ -50,13 +50,18 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
     return 2 * 1024 * 2048 * 2048 / timed(lambda: a @ b, 5) / 1e9
 
 
-def decode_step_s(runner: ModelRunner, batch: int, context: int) -> float:
+def decode_batch(runner: ModelRunner, batch: int, context: int):
+    """A callable running one decode step for `batch` sequences of `context` tokens each (their own blocks)."""
     a = runner.model.args
     per_seq = blocks_needed(context + 1, 16)
     cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, per_seq * batch, 16, runner.model.dtype,
                          runner.device)
     tables = [cache.allocator.allocate(per_seq) for _ in range(batch)]
-    return timed(lambda: runner.decode(cache, tables, [context] * batch, [7] * batch), 20, stat=statistics.median)
+    return lambda: runner.decode(cache, tables, [context] * batch, [7] * batch)
+
+
+def decode_step_s(runner: ModelRunner, batch: int, context: int) -> float:
+    return timed(decode_batch(runner, batch, context), 20, stat=statistics.median)
 
 
 def linear_sweep(runner: ModelRunner, rows_list=(1, 2, 4, 6, 8, 12, 16)) -> dict:
@@ -125,10 +130,7 @@ def main() -> None:
         "linear_gbps_by_rows": linear_sweep(runner),
         "kv_bytes_per_token": 2 * a.num_layers * a.num_kv_heads * a.head_dim * runner.model.dtype.itemsize,
     }
-    if args.out:
-        write_results(args.out, result)
-    else:
-        print(result)
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import time
 
 import torch
 
+from benchmarks.engine_roofline import decode_batch
 from benchmarks.results_io import write_results
 from benchmarks.worker_env import reexec_like_a_worker
 from distserve.engine import attention
-from distserve.engine.kv_cache import PagedKvCache, blocks_needed
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.sampling import SampleRow, SamplingParams, sample_tokens
@@ -50,13 +50,9 @@ def decode_linear_ab(model: str, dtype: str) -> dict:
     def rows_limit(limit: int):
         return lambda: [setattr(lin, "_skinny_rows", limit) for lin in linears]
 
-    a, context, results = runner.model.args, 256, {}
+    results = {}
     for batch in (1, 2, 4, 8, 12):
-        per_seq = blocks_needed(context + 1, 16)
-        cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, per_seq * batch, 16, runner.model.dtype,
-                             runner.device)
-        tables = [cache.allocator.allocate(per_seq) for _ in range(batch)]
-        step = lambda: runner.decode(cache, tables, [context] * batch, [7] * batch)  # noqa: E731
+        step = decode_batch(runner, batch, 256)
         results[str(batch)] = interleaved({"onednn_ms": (rows_limit(0), step), "ours_ms": (rows_limit(99), step)})
     rows_limit(ours_up_to)()
     return {"dtype": dtype, "ours_used_up_to_rows": ours_up_to, "decode_step_by_batch": results}
@@ -79,12 +75,8 @@ def prefill_ab(model: str) -> dict:
         prefill = lambda: runner.prefill([prompt])  # noqa: E731
         results[str(length)] = interleaved({"torch_ms": (use(False), prefill), "ours_ms": (use(True), prefill)}, 6)
     decode = {}
-    a, context = model.args, 256
     for batch in (1, 8, 32):
-        per_seq = blocks_needed(context + 1, 16)
-        cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, per_seq * batch, 16, model.dtype, runner.device)
-        tables = [cache.allocator.allocate(per_seq) for _ in range(batch)]
-        step = lambda: runner.decode(cache, tables, [context] * batch, [7] * batch)  # noqa: E731
+        step = decode_batch(runner, batch, 256)
         decode[str(batch)] = interleaved({"torch_ms": (use(False), step), "ours_ms": (use(True), step)})
     use(True)()
     return {"dtype": "bfloat16", "prefill_by_prompt_length": results, "decode_step_by_batch": decode}
@@ -116,10 +108,7 @@ def main() -> None:
     result = {"model": args.model, "threads": 1,
               "decode_linear": [decode_linear_ab(args.model, dtype) for dtype in ("bfloat16", "float32")],
               "prefill_kernels": prefill_ab(args.model), "sampling": sampling_ab()}
-    if args.out:
-        write_results(args.out, result)
-    else:
-        print(result)
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ import os
 
 
 def write_results(path: str, result: dict, printed: dict | None = None) -> None:
-    """Writes result to path (creating its folder) and prints `printed` (default: all of it)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    """Writes result to path (creating its folder; "": nowhere) and prints `printed` (default: all of it)."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
     print(json.dumps(result if printed is None else printed, indent=2))

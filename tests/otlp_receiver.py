@@ -7,6 +7,7 @@ so `distserve trace` can be tested on real span data.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -72,6 +73,14 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def spans_for(self, request_id: str) -> list[CollectedSpan]:
         with self._lock:
             return [s for s in self.spans if s.attributes.get("gen_ai.request.id") == request_id]
+
+    def wait_for_span(self, request_id: str, name: str, timeout_s: float = 10) -> CollectedSpan:
+        """The first span called `name` of a request, once exported; fails after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not (spans := [s for s in self.spans_for(request_id) if s.name == name]):
+            assert time.monotonic() < deadline, f"span {name} of {request_id} never arrived"
+            time.sleep(0.1)
+        return spans[0]
 
 
 def as_jaeger_trace(spans: list[CollectedSpan]) -> dict:

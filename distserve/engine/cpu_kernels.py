@@ -20,6 +20,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.
 _lock = threading.Lock()
 _module = None
 _tried = False
+_present: dict[str, bool] = {}  # has_op's answers, by op name
 
 
 def enabled() -> bool:
@@ -28,12 +29,26 @@ def enabled() -> bool:
 
 def has_op(kernels, name: str) -> bool:
     """Whether the built kernels include `name` (some are compiled only for CPUs with the instructions
-    they need, e.g. prefill_attention_bf16 needs AVX512-BF16)."""
-    try:
-        getattr(kernels, name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    they need, e.g. prefill_attention_bf16 needs AVX512-BF16). Looked up once per name: callers ask
+    on the hot path (every layer of a prefill)."""
+    if name not in _present:
+        try:
+            getattr(kernels, name)
+            _present[name] = True
+        except (AttributeError, RuntimeError):
+            _present[name] = False
+    return _present[name]
+
+
+def bf16_cpu_kernels(like, name: str):
+    """torch.ops.distserve when `like` is a bfloat16 CPU tensor and the build has op `name` (compiled
+    where the CPU has AVX512-BF16), else None: the caller keeps torch's ops."""
+    import torch
+
+    if like.dtype != torch.bfloat16 or like.device.type != "cpu":
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and has_op(kernels, name) else None
 
 
 def cpu_kernels():

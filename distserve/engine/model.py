@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from distserve.engine.attention import PagedDecodeAttention, prefill_attention
+from distserve.engine.cpu_kernels import bf16_cpu_kernels
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_spec import text_config
 from distserve.engine.weights import LayerWeights, ModelArgs, ModelWeights
@@ -185,23 +186,16 @@ def _fused_norm_rope(like: torch.Tensor, hidden_size: int, head_dim: int):
     """torch.ops.distserve with add_rms_norm_bf16 and rope_bf16_ (csrc/norm_rope.cpp) for a bfloat16
     model on a CPU with AVX512-BF16 and sizes they take, else None (torch's ops: float32 stays
     token-exact with transformers)."""
-    from distserve.engine.cpu_kernels import cpu_kernels, has_op
-
-    if like.dtype != torch.bfloat16 or like.device.type != "cpu" or hidden_size % 16 or head_dim % 32:
+    if hidden_size % 16 or head_dim % 32:
         return None
-    kernels = cpu_kernels()
-    return kernels if kernels is not None and has_op(kernels, "add_rms_norm_bf16") else None
+    return bf16_cpu_kernels(like, "add_rms_norm_bf16")
 
 
 def _fused_silu_and_mul(act_name: str, like: torch.Tensor):
     """Our one-pass silu(gate) * up (csrc/silu_and_mul.cpp) for bfloat16 on a CPU with AVX512-BF16,
     else None. float32 keeps torch's ops: token-exact with transformers."""
-    from distserve.engine.cpu_kernels import cpu_kernels, has_op
-
-    if act_name not in ("silu", "swish") or like.dtype != torch.bfloat16 or like.device.type != "cpu":
-        return None
-    kernels = cpu_kernels()
-    return kernels.silu_and_mul_bf16 if kernels is not None and has_op(kernels, "silu_and_mul_bf16") else None
+    kernels = bf16_cpu_kernels(like, "silu_and_mul_bf16") if act_name in ("silu", "swish") else None
+    return kernels.silu_and_mul_bf16 if kernels is not None else None
 
 
 def _activation(name: str):
