@@ -6,6 +6,7 @@ A/B here alternates its two arms call by call and reports the medians:
 - decode step, linear layers: our small-batch kernel against oneDNN, by batch (linear.SKINNY_ROWS);
 - bf16 prefill: our attention and fused kernels (silu*up, add+RMSNorm, RoPE) against SDPA and torch's
   ops, by prompt length; bf16 decode steps with the fused kernels against torch's ops, by batch;
+- bf16 decode steps, attention: our AVX512-BF16 paged kernel against the generic one, by batch and context;
 - sampling a temperature-1 batch: batched inverse-CDF draws against torch.multinomial per row.
 
     python -m benchmarks.kernel_ab --out benchmarks/results/kernel_ab.json
@@ -82,6 +83,22 @@ def prefill_ab(model: str) -> dict:
     return {"dtype": "bfloat16", "prefill_by_prompt_length": results, "decode_step_by_batch": decode}
 
 
+def decode_attention_ab(model: str) -> dict:
+    """bf16 decode steps: our AVX512-BF16 paged attention against the generic compiled kernel."""
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
+    kernel_choice = attention.bf16_decode_kernel
+
+    def use(ours: bool):
+        return lambda: setattr(attention, "bf16_decode_kernel", kernel_choice if ours else (lambda cache: None))
+
+    results = {}
+    for batch, context in ((1, 256), (8, 256), (32, 256), (64, 256), (8, 2048)):
+        step = decode_batch(runner, batch, context)
+        results[f"{batch}x{context}"] = interleaved({"generic_ms": (use(False), step), "ours_ms": (use(True), step)})
+    use(True)()
+    return {"dtype": "bfloat16", "decode_step_by_batch_x_context": results}
+
+
 def sampling_ab(vocab: int = 32000) -> dict:
     results = {}
     for batch in (6, 50):
@@ -107,7 +124,8 @@ def main() -> None:
     torch.set_num_threads(1)
     result = {"model": args.model, "threads": 1,
               "decode_linear": [decode_linear_ab(args.model, dtype) for dtype in ("bfloat16", "float32")],
-              "prefill_kernels": prefill_ab(args.model), "sampling": sampling_ab()}
+              "prefill_kernels": prefill_ab(args.model), "decode_attention": decode_attention_ab(args.model),
+              "sampling": sampling_ab()}
     write_results(args.out, result)
 
 

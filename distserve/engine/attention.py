@@ -66,6 +66,17 @@ def bf16_prefill_kernel(q: torch.Tensor):
     return kernels.prefill_attention_bf16 if kernels is not None else None
 
 
+def bf16_decode_kernel(layer_cache: torch.Tensor):
+    """Our AVX512-BF16 paged decode attention (csrc/decode_attention_bf16.cpp) for a bfloat16 CPU
+    cache with head_dim 64 or 128, else None (the generic kernel). Measured on one core at batch 32,
+    context 256, head_dim 64: ~3x faster per layer than the generic kernel (kernel_ab). float32 keeps
+    the generic kernel."""
+    if layer_cache.shape[-1] not in (64, 128):
+        return None
+    kernels = bf16_cpu_kernels(layer_cache, "paged_decode_attention_bf16")
+    return kernels.paged_decode_attention_bf16 if kernels is not None else None
+
+
 def decode_mask(seq_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
     """[B, 1, 1, num_keys]: True where sequence b's query (at seq_lens[b] - 1) may see key j."""
     return _window_mask(seq_lens - 1, num_keys, window)[:, None, None, :]
@@ -109,6 +120,10 @@ class PagedDecodeAttention:
     def __init__(self, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int | None):
         self.block_tables, self.seq_lens, self.window = block_tables, seq_lens, window
         self.kernels = cpu_kernels() if cache.device.type == "cpu" else None
+        self.kernel = self.kernels.paged_decode_attention if self.kernels is not None else None
+        bf16 = bf16_decode_kernel(cache.layer(0))
+        if bf16 is not None:
+            self.kernel = bf16
         if self.kernels is None:
             self.mask = decode_mask(seq_lens, block_tables.shape[1] * cache.block_size, window)
             self.workspace = gather_workspace(cache.layer(0), block_tables)
@@ -117,6 +132,6 @@ class PagedDecodeAttention:
         """q: [B, H, D]; layer_cache: one layer of the cache. Returns [B, H * D]."""
         if self.kernels is None:
             return paged_attention(q, layer_cache, self.block_tables, self.mask, self.workspace)
-        out = self.kernels.paged_decode_attention(q.contiguous(), layer_cache, self.block_tables, self.seq_lens,
-                                                  self.window or 0, q.shape[-1] ** -0.5)
+        out = self.kernel(q.contiguous(), layer_cache, self.block_tables, self.seq_lens, self.window or 0,
+                          q.shape[-1] ** -0.5)
         return out.view(q.shape[0], -1)

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "skinny_matmul.cpp",
                                                                         "prefill_attention.cpp", "silu_and_mul.cpp",
-                                                                        "norm_rope.cpp")]
+                                                                        "norm_rope.cpp", "decode_attention_bf16.cpp")]
 _lock = threading.Lock()
 _module = None
 _tried = False
