@@ -16,6 +16,7 @@ Measures, in one process pinned to `--threads` cores:
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -51,12 +52,16 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
 
 
 def decode_batch(runner: ModelRunner, batch: int, context: int):
-    """A callable running one decode step for `batch` sequences of `context` tokens each (their own blocks)."""
+    """A callable running one decode step for `batch` sequences of `context` tokens each (their own
+    blocks, scattered, filled with random K/V)."""
     a = runner.model.args
     per_seq = blocks_needed(context + 1, 16)
     cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, per_seq * batch, 16, runner.model.dtype,
                          runner.device)
-    tables = [cache.allocator.allocate(per_seq) for _ in range(batch)]
+    blocks = cache.allocator.allocate(per_seq * batch)
+    random.Random(0).shuffle(blocks)  # scattered over the cache, as a server's blocks are after a while
+    tables = [blocks[b * per_seq:(b + 1) * per_seq] for b in range(batch)]
+    cache.fill_random_()
     return lambda: runner.decode(cache, tables, [context] * batch, [7] * batch)
 
 

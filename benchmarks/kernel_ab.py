@@ -6,16 +6,19 @@ A/B here alternates its two arms call by call and reports the medians:
 - decode step, linear layers: our small-batch kernel against oneDNN, by batch (linear.SKINNY_ROWS);
 - bf16 prefill: our attention and fused kernels (silu*up, add+RMSNorm, RoPE) against SDPA and torch's
   ops, by prompt length; bf16 decode steps with the fused kernels against torch's ops, by batch;
-- bf16 decode steps, attention: our AVX512-BF16 paged kernel against the generic one, by batch and context;
+- decode steps, attention: our AVX-512 paged kernels (bf16, float32) against the generic one, by batch and
+  context;
 - sampling a temperature-1 batch: batched inverse-CDF draws against torch.multinomial per row.
 
     python -m benchmarks.kernel_ab --out benchmarks/results/kernel_ab.json
+    python -m benchmarks.kernel_ab --only decode_attention --out benchmarks/results/kernel_ab_decode_attention.json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -83,20 +86,20 @@ def prefill_ab(model: str) -> dict:
     return {"dtype": "bfloat16", "prefill_by_prompt_length": results, "decode_step_by_batch": decode}
 
 
-def decode_attention_ab(model: str) -> dict:
-    """bf16 decode steps: our AVX512-BF16 paged attention against the generic compiled kernel."""
-    runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
-    kernel_choice = attention.bf16_decode_kernel
+def decode_attention_ab(model: str, dtype: str) -> dict:
+    """Decode steps: our AVX-512 paged attention against the generic compiled kernel."""
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
+    kernel_choice = attention.avx512_decode_kernel
 
     def use(ours: bool):
-        return lambda: setattr(attention, "bf16_decode_kernel", kernel_choice if ours else (lambda cache: None))
+        return lambda: setattr(attention, "avx512_decode_kernel", kernel_choice if ours else (lambda cache: None))
 
     results = {}
     for batch, context in ((1, 256), (8, 256), (32, 256), (64, 256), (8, 2048)):
         step = decode_batch(runner, batch, context)
         results[f"{batch}x{context}"] = interleaved({"generic_ms": (use(False), step), "ours_ms": (use(True), step)})
     use(True)()
-    return {"dtype": "bfloat16", "decode_step_by_batch_x_context": results}
+    return {"dtype": dtype, "decode_step_by_batch_x_context": results}
 
 
 def sampling_ab(vocab: int = 32000) -> dict:
@@ -115,17 +118,25 @@ def sampling_ab(vocab: int = 32000) -> dict:
     return {"vocab": vocab, "temperature_1_by_batch": results}
 
 
+SECTIONS = {
+    "decode_linear": lambda model: [decode_linear_ab(model, dtype) for dtype in ("bfloat16", "float32")],
+    "prefill_kernels": prefill_ab,
+    "decode_attention": lambda model: [decode_attention_ab(model, dtype) for dtype in ("bfloat16", "float32")],
+    "sampling": lambda model: sampling_ab(),
+}
+
+
 def main() -> None:
     reexec_like_a_worker("benchmarks.kernel_ab")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default:small")
+    parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run these sections (default: all)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = {"model": args.model, "threads": 1,
-              "decode_linear": [decode_linear_ab(args.model, dtype) for dtype in ("bfloat16", "float32")],
-              "prefill_kernels": prefill_ab(args.model), "decode_attention": decode_attention_ab(args.model),
-              "sampling": sampling_ab()}
+    result = {"model": args.model, "threads": 1, "command": " ".join(["python -m benchmarks.kernel_ab", *sys.argv[1:]])}
+    for name in args.only or SECTIONS:
+        result[name] = SECTIONS[name](args.model)
     write_results(args.out, result)
 
 

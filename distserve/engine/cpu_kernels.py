@@ -7,6 +7,7 @@ When it cannot be built (no compiler), or DISTSERVE_CPU_KERNELS=0, callers use t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -14,9 +15,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "skinny_matmul.cpp",
-                                                                        "prefill_attention.cpp", "silu_and_mul.cpp",
-                                                                        "norm_rope.cpp", "decode_attention_bf16.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "skinny_matmul.cpp", "prefill_attention.cpp",
+                                      "silu_and_mul.cpp", "norm_rope.cpp", "decode_attention_bf16.cpp",
+                                      "decode_attention_f32.cpp")]
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -51,6 +53,17 @@ def bf16_cpu_kernels(like, name: str):
     return kernels if kernels is not None and has_op(kernels, name) else None
 
 
+def _build_name(flags: list[str]) -> str:
+    """The extension's name, with a digest of every source, header and flag in it. torch's loader
+    keeps one build per name and rebuilds when a source or flag changes, but not a header; and two
+    checkouts sharing the build cache would take turns rebuilding it (a restarted worker of one once
+    waited a minute for that). With the digest in the name each build has its own folder."""
+    digest = hashlib.sha1(" ".join(flags).encode())
+    for path in sorted([*_SOURCES, *_CSRC.glob("*.h")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return f"distserve_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
 def cpu_kernels():
     """torch.ops.distserve (paged_decode_attention, skinny_linear, prefill_attention_bf16 where the CPU
     has AVX512-BF16) once built and loaded, or None. Idempotent."""
@@ -66,8 +79,9 @@ def cpu_kernels():
                 import torch
                 from torch.utils.cpp_extension import load
 
-                load(name="distserve_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
-                     extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
+                flags = ["-O3", "-march=native", "-ffast-math"]
+                load(name=_build_name(flags), sources=[str(p) for p in _SOURCES], is_python_module=False,
+                     extra_cflags=flags, verbose=False)
                 _module = torch.ops.distserve
             except Exception as exc:  # no compiler or ninja: the torch path still works, only slower
                 log.warning("CPU kernels unavailable, using torch attention: %s", exc)

@@ -82,6 +82,7 @@ def measure_steps(runner: ModelRunner, shapes: list[StepShape], repeats: int,
     num_blocks = max([sum(blocks_needed(c + 1, block_size) for c in s.decode_contexts) for s in shapes] + [1])
     cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, num_blocks, block_size, runner.model.dtype,
                          runner.device)
+    cache.fill_random_()
     tokens = random.Random(0)
     with torch.inference_mode():
         steps = [_prepare_step(runner, cache, shape, lambda n: [tokens.randrange(a.vocab_size) for _ in range(n)])
@@ -100,7 +101,7 @@ def measure_steps(runner: ModelRunner, shapes: list[StepShape], repeats: int,
 def _prepare_step(runner: ModelRunner, cache: PagedKvCache, shape: StepShape,
                   token_ids: Callable[[int], list[int]]) -> Callable[[], object]:
     """Builds the step's inputs (prefilling positioned chunks' prefixes) and returns the call that
-    runs it. Shapes are timed one at a time, so each lays its sequences over the cache's blocks from 0."""
+    runs it. Shapes are timed one at a time, so each lays its sequences over the whole cache."""
     works = []
     for length, position in shape.chunks:
         kv = runner.new_kv_buffer(position + length)
@@ -110,9 +111,13 @@ def _prepare_step(runner: ModelRunner, cache: PagedKvCache, shape: StepShape,
     if not shape.decode_contexts:
         return lambda: runner.prefill_chunks(works)
     contexts = list(shape.decode_contexts)
+    # Scattered over the cache, as a server's blocks are after a while: attention reads them slower
+    # than blocks in order (the hardware prefetcher does not follow a block table).
+    scattered = list(range(cache.allocator.num_blocks))
+    random.Random(len(contexts)).shuffle(scattered)
     tables, start = [], 0
     for context in contexts:
-        tables.append(list(range(start, start + blocks_needed(context + 1, cache.block_size))))
+        tables.append(scattered[start:start + blocks_needed(context + 1, cache.block_size)])
         start += len(tables[-1])
     input_ids = token_ids(len(contexts))
     if not works:

@@ -153,37 +153,46 @@ def test_bf16_prefill_uses_the_compiled_kernel_and_float32_keeps_sdpa():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 5, 20])
-def test_compiled_bf16_decode_attention_equals_dense_sdpa(head_dim, heads, kv_heads, window):
+@pytest.mark.parametrize("op, dtype, tolerance", [("paged_decode_attention_bf16", torch.bfloat16, 2e-2),
+                                                  ("paged_decode_attention_f32", torch.float32, 1e-5)])
+def test_compiled_avx512_decode_attention_equals_dense_sdpa(head_dim, heads, kv_heads, window, op, dtype, tolerance):
     """Random interleaved block tables; lengths that end mid key-tile (1, 15, 17, 40) and on one (16, 32);
-    GQA groups of 1, 2, 3 (odd: the single-head path) and 8; against float32 SDPA at bf16 tolerance."""
+    GQA groups of 1, 2, 3 (odd: the single-head path) and 8; against float32 SDPA."""
     kernels = cpu_kernels()
     assert kernels is not None
     generator = torch.Generator().manual_seed(head_dim + heads * 10 + kv_heads + (window or 0))
     lengths = [1, 15, 16, 17, 32, 40]
-    cache = PagedKvCache(1, kv_heads, head_dim, 64, BLOCK_SIZE, torch.bfloat16, "cpu")
+    cache = PagedKvCache(1, kv_heads, head_dim, 64, BLOCK_SIZE, dtype, "cpu")
     free = torch.randperm(64, generator=generator).tolist()
     tables, dense_k, dense_v = [], [], []
     for n in lengths:
         table = [free.pop() for _ in range(blocks_needed(n, BLOCK_SIZE))]
-        k = torch.randn(n, kv_heads, head_dim, generator=generator).bfloat16()
-        v = torch.randn(n, kv_heads, head_dim, generator=generator).bfloat16()
+        k = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
         cache.write_slots(0, cache._slots(table, n), k, v)
         tables.append(table)
         dense_k.append(k.transpose(0, 1))
         dense_v.append(v.transpose(0, 1))
-    q = torch.randn(len(lengths), heads, head_dim, generator=generator).bfloat16()
-    got = kernels.paged_decode_attention_bf16(q, cache.layer(0), cache.block_table_tensor(tables, lengths),
-                                              torch.tensor(lengths), window or 0, head_dim ** -0.5)
-    assert got.shape == q.shape and got.dtype == torch.bfloat16
-    assert_matches_dense(got.reshape(len(lengths), -1), q, dense_k, dense_v, window, 2e-2)
+    q = torch.randn(len(lengths), heads, head_dim, generator=generator).to(dtype)
+    got = getattr(kernels, op)(q, cache.layer(0), cache.block_table_tensor(tables, lengths), torch.tensor(lengths),
+                               window or 0, head_dim ** -0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert_matches_dense(got.reshape(len(lengths), -1), q, dense_k, dense_v, window, tolerance)
 
 
-def test_bf16_decode_uses_the_compiled_kernel_and_float32_keeps_the_generic_one():
-    from distserve.engine.attention import bf16_decode_kernel
+def test_decode_uses_the_avx512_kernel_for_its_dtype_and_head_dim():
+    from distserve.engine.attention import avx512_decode_kernel
 
-    assert bf16_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.bfloat16)) is not None
-    assert bf16_decode_kernel(torch.empty(2, 3, 16, 4, 64)) is None  # float32: the generic kernel
-    assert bf16_decode_kernel(torch.empty(2, 3, 16, 4, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
-    cache = PagedKvCache(1, 4, 64, 8, BLOCK_SIZE, torch.bfloat16, "cpu")
+    kernels = cpu_kernels()
+    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.bfloat16)) == \
+        kernels.paged_decode_attention_bf16
+    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 128)) == kernels.paged_decode_attention_f32
+    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
+    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.float16)) is None  # no float16 kernel
+    for dtype in (torch.bfloat16, torch.float32):
+        cache = PagedKvCache(1, 4, 64, 8, BLOCK_SIZE, dtype, "cpu")
+        attention = PagedDecodeAttention(cache, cache.block_table_tensor([[0]], [1]), torch.tensor([1]), None)
+        assert attention.kernel == avx512_decode_kernel(cache.layer(0))
+    cache = PagedKvCache(1, 4, 16, 8, BLOCK_SIZE, torch.float32, "cpu")  # head_dim 16: the generic kernel
     attention = PagedDecodeAttention(cache, cache.block_table_tensor([[0]], [1]), torch.tensor([1]), None)
-    assert attention.kernel == bf16_decode_kernel(cache.layer(0))
+    assert attention.kernel == kernels.paged_decode_attention

@@ -133,3 +133,12 @@ def test_sequences_do_not_overwrite_each_other():
         cache.write_slots(layer, cache.slot_tensor([tables[1]], [7]), zeros, zeros)
     assert torch.equal(cache.gather([tables[0]], [8])[:, :, 0], first)
     assert torch.count_nonzero(cache.gather([tables[1]], [8])[:, :, 0, 7]) == 0
+
+
+def test_fill_random_writes_every_block_but_the_pad_block():
+    cache = PagedKvCache(2, 2, 4, 3, 4, torch.float32, "cpu")
+    cache.fill_random_(seed=1)
+    for layer in range(2):
+        blocks = cache.layer(layer)[:, :cache.pad_block]
+        assert torch.count_nonzero(blocks) == blocks.numel()
+        assert torch.count_nonzero(cache.layer(layer)[:, cache.pad_block]) == 0
