@@ -14,6 +14,7 @@ ROOT=$(pwd)
 PEER_BENCH=${PEER_BENCH:-$(cd "$ROOT/.." && pwd)/shared/peer-bench}
 OUT=${1:-benchmarks/results/peer}; DTYPES=${2:-"float32 bfloat16"}; RATES=${3:-"4 inf"}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the JSONs are written from the repo root, and an absolute OUT stays put
 MODEL_DIR=$(.venv/bin/python -c "from distserve.engine.model_loader import resolve_model_path; print(resolve_model_path('default:small'))")
 NAME=distserve-small
 LOGS=$(mktemp -d)
@@ -36,7 +37,7 @@ run_rates() {  # SYSTEM DTYPE URL
   for rate in $RATES; do
     run=$((run + 1))
     echo "== $1 $2 rate $rate"
-    bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" "$rate" "$ROOT/$OUT/${1}_${2}_rate${rate}.json" --seed "$run"
+    bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" "$rate" "$OUT/${1}_${2}_rate${rate}.json" --seed "$run"
   done
 }
 
