@@ -1,8 +1,8 @@
 """CPU time the front end (router, gateway and the benchmark client) spends per streamed token.
 
 On a machine with no core to spare for them, this time is taken from the workers' cores; the
-planner's simulator charges it to every decoding sequence's step (`distserve plan
---frontend-us-per-token`). Run against a `distserve up` on this machine:
+planner's simulator charges it to every decoding sequence's step while no other worker of the node is
+idle (`distserve plan --frontend-us-per-token`). Run against a `distserve up` on this machine:
 
     python -m benchmarks.goodput.frontend_cost --tokenizer MODEL_DIR --out benchmarks/results/goodput/frontend_cost.json
 

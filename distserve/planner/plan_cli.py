@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--json", default="", help="also write the result here")
     parser.add_argument("--frontend-us-per-token", type=float, default=0.0,
                         help="CPU microseconds the router, gateway and client spend per streamed token, taken from "
-                             "the workers' cores when the machine has none to spare (--cores; measure it with "
+                             "the workers' cores when the machine has none to spare (--cores): charged to a decode step "
+                             "while no other worker of its node is idle (measure it with "
                              "benchmarks/goodput/frontend_cost.py)")
     sim = parser.add_argument_group("simulate one fleet instead of searching")
     sim.add_argument("--simulate", default="", help="fleet string, e.g. 1p1d, 2c, 1p1d1c, 2p@1:512+1d@2")

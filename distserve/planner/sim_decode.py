@@ -67,6 +67,11 @@ class DecodeSim:
         self._waiting: collections.deque[SimRequest] = collections.deque()
         self._running = RunningBatch()
         self._is_busy = False
+        self.frontend_charge: Callable[[], float] = lambda: 0.0  # front-end seconds per decoding row this step
+
+    @property
+    def is_busy(self) -> bool:
+        return self._is_busy
 
     def add(self, req: SimRequest) -> None:
         """`req`'s KV has arrived (its blocks are reserved): it joins at the next step boundary."""
@@ -80,7 +85,7 @@ class DecodeSim:
         self._is_busy = self._running.size > 0
         if self._is_busy:
             seconds = step_seconds(self.profile, 0, 0, self._running.size, self._running.context_sum)
-            self.loop.call_later(seconds, self._end_step)
+            self.loop.call_later(seconds + self._running.size * self.frontend_charge(), self._end_step)
 
     def _end_step(self) -> None:
         # _is_busy stays set through the callbacks, so an add() they cause waits for _start_step
@@ -95,9 +100,9 @@ class DecodeSim:
 class ColocatedSim:
     """A colocated worker: prefill chunks and decode rows share each step (engine/colocated_engine.py)."""
 
-    def __init__(self, loop: EventLoop, profile: Profile, max_batch_tokens: int, max_running: int,
+    def __init__(self, loop: EventLoop, profile: Profile, max_batch_tokens: int, max_running: int, node: int,
                  block_size: int, on_first_token: Callback, on_finished: Callback):
-        self.loop, self.profile = loop, profile
+        self.loop, self.profile, self.node = loop, profile, node
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.blocks = KvBlocks(profile.kv_capacity_tokens, block_size)
         self.outstanding_tokens = 0  # prompt tokens routed here, not yet prefilled: the router's load figure
@@ -106,6 +111,11 @@ class ColocatedSim:
         self._waiting: collections.deque[SimRequest] = collections.deque()  # prefilled, to join decoding
         self._running = RunningBatch()
         self._is_busy = False
+        self.frontend_charge: Callable[[], float] = lambda: 0.0  # front-end seconds per decoding row this step
+
+    @property
+    def is_busy(self) -> bool:
+        return self._is_busy
 
     @property
     def num_running(self) -> int:
@@ -131,6 +141,7 @@ class ColocatedSim:
             tokens = sum(n for _, n in chunks)
             attn = sum(chunk_attn_pairs(n, req.num_computed) for req, n in chunks)
             seconds = step_seconds(self.profile, tokens, attn, self._running.size, self._running.context_sum)
+            seconds += self._running.size * self.frontend_charge()
             self.loop.call_later(seconds, self._end_step, chunks)
 
     def _end_step(self, chunks: list[tuple[SimRequest, int]]) -> None:

@@ -119,6 +119,11 @@ class PrefillSim:
         self._sends: collections.deque = collections.deque()
         self._is_sending = False
 
+    @property
+    def is_busy(self) -> bool:
+        """Running a step (a KV send alone does not count: it takes no core here)."""
+        return self._is_busy
+
     def submit(self, req: SimRequest) -> None:
         self._waiting.append(req)
         self.outstanding_tokens += req.num_remaining

@@ -22,6 +22,7 @@ workers, its requests arrive with their first token and KV (TPOT only): phase-wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -76,9 +77,10 @@ class ClusterConfig:
     router_overhead_s: float = 0.0
     """Added to every TTFT and end-to-end latency (the router's own hop)."""
     frontend_s_per_token: float = 0.0
-    """CPU time the router, gateway and client spend per streamed token. On a machine with no core to
-    spare for them (this 2-core box) it is taken from the workers' cores: each decode step then costs
-    this much more per decoding sequence. 0 where the front end has cores of its own."""
+    """CPU time the router, gateway and client spend per streamed token, where they share the workers'
+    cores (this 2-core box; 0 where the front end has cores of its own). The OS runs them on an idle
+    core when there is one, so a decode (or colocated) step costs this much more per decoding
+    sequence only when no other worker of its node is idle at the step's start."""
     block_size: int = 16
 
     @property
@@ -88,12 +90,6 @@ class ClusterConfig:
 
     def count(self, role: str) -> int:
         return sum(w.role == role for w in self.workers)
-
-
-def _with_frontend(profile: Profile, seconds_per_token: float) -> Profile:
-    """The profile with the front end's per-token CPU added to every decoding sequence's step cost."""
-    *rest, per_decode = profile.step_coeffs
-    return dataclasses.replace(profile, step_coeffs=(*rest, per_decode + seconds_per_token))
 
 
 @dataclasses.dataclass
@@ -123,15 +119,26 @@ class _Simulation:
 
     def _add_worker(self, spec: WorkerSpec) -> None:
         bs = self.config.block_size
-        if self.config.frontend_s_per_token and spec.role != "prefill":
-            spec = dataclasses.replace(spec, profile=_with_frontend(spec.profile, self.config.frontend_s_per_token))
         if spec.role == "prefill":
             self.prefill.append(PrefillSim(self.loop, spec.profile, spec.budget, spec.node, self._prefilled))
-        elif spec.role == "decode":
-            self.decode.append(DecodeSim(self.loop, spec.profile, spec.max_running, spec.node, bs, self._finished))
+            return
+        if spec.role == "decode":
+            worker = DecodeSim(self.loop, spec.profile, spec.max_running, spec.node, bs, self._finished)
+            self.decode.append(worker)
         else:
-            self.colocated.append(ColocatedSim(self.loop, spec.profile, spec.budget, spec.max_running, bs,
-                                               self._first_token, self._finished))
+            worker = ColocatedSim(self.loop, spec.profile, spec.budget, spec.max_running, spec.node, bs,
+                                  self._first_token, self._finished)
+            self.colocated.append(worker)
+        if self.config.frontend_s_per_token:
+            worker.frontend_charge = functools.partial(self._frontend_charge, worker)
+
+    def _frontend_charge(self, worker) -> float:
+        """Front-end seconds per decoding sequence for `worker`'s step starting now: none while another
+        worker of its node is idle (the front end runs there), else config.frontend_s_per_token."""
+        for other in (*self.prefill, *self.decode, *self.colocated):
+            if other is not worker and other.node == worker.node and not other.is_busy:
+                return 0.0
+        return self.config.frontend_s_per_token
 
     def run(self) -> SimResult:
         for req in self.reqs:

@@ -164,14 +164,19 @@ def test_fleet_types_agree_when_unloaded():
         assert simulate(config, requests, Slo(1.0, 0.1)).summary.attainment == 1.0
 
 
-def test_front_end_cost_is_paid_per_streamed_token_in_decode_steps_only():
+def test_front_end_cost_is_paid_per_streamed_token_only_when_no_core_of_the_node_is_idle():
+    """The OS runs the router, gateway and client on an idle core when there is one."""
     import dataclasses
 
-    input_len, output_len, frontend = 100, 20, 5e-4
-    profile = toy_profile()
-    base = fleet("prefill", "decode", profile=profile)
-    requests = [Request(0.0, input_len, output_len)]
-    plain = simulate(base, requests).results[0]
-    loaded = simulate(dataclasses.replace(base, frontend_s_per_token=frontend), requests).results[0]
-    assert loaded.ttft_s == pytest.approx(plain.ttft_s)  # prefill steps stream nothing
-    assert loaded.tpot_s == pytest.approx(plain.tpot_s + frontend)  # each of the output_len - 1 steps
+    frontend = 5e-4
+    lone = [Request(0.0, 100, 20)]
+    for config, requests, charged in (
+            (fleet("prefill", "decode"), lone, False),  # the prefill core idles while the request decodes
+            (fleet("colocated"), lone, True),  # no other core
+            (fleet("colocated", "colocated"), lone * 2, True)):  # both busy, in step with each other
+        plain = simulate(config, requests).results
+        loaded = simulate(dataclasses.replace(config, frontend_s_per_token=frontend), requests).results
+        for before, after in zip(plain, loaded):
+            assert after.ttft_s == pytest.approx(before.ttft_s)  # prefill steps stream nothing
+            # each of the output_len - 1 decode steps, one decoding row per worker
+            assert after.tpot_s == pytest.approx(before.tpot_s + (frontend if charged else 0.0))
