@@ -42,15 +42,20 @@ def has_op(kernels, name: str) -> bool:
     return _present[name]
 
 
-def bf16_cpu_kernels(like, name: str):
-    """torch.ops.distserve when `like` is a bfloat16 CPU tensor and the build has op `name` (compiled
-    where the CPU has AVX512-BF16), else None: the caller keeps torch's ops."""
-    import torch
-
-    if like.dtype != torch.bfloat16 or like.device.type != "cpu":
+def cpu_kernels_with(like, name: str):
+    """torch.ops.distserve when `like` is a CPU tensor and the build has op `name` (some are compiled
+    only where the CPU has the instructions they need), else None: the caller keeps torch's ops."""
+    if like.device.type != "cpu":
         return None
     kernels = cpu_kernels()
     return kernels if kernels is not None and has_op(kernels, name) else None
+
+
+def bf16_cpu_kernels(like, name: str):
+    """cpu_kernels_with for a bfloat16 `like` (the bf16-only ops), else None."""
+    import torch
+
+    return cpu_kernels_with(like, name) if like.dtype == torch.bfloat16 else None
 
 
 def _build_name(flags: list[str]) -> str:

@@ -18,7 +18,7 @@
 //   elem                         the cache's storage type
 //   prob                         the type P is given to weigh_tile in
 //   score_tile<D>(...)           16 keys' scaled scores for one query head (see the bf16/f32 files)
-//   to_probs(p, padded, spare)   P in `prob`, in spare or in place
+//   to_probs(p, total, spare)    P in `prob`: p itself, or converted into spare (resized as needed)
 //   weigh_tile<D, NH>(...)       acc += P v over one tile, for NH query heads of one KV head
 //   store_head<D>(acc, inv, out) out = acc * inv in elem, undoing weigh_tile's accumulator order
 #pragma once
@@ -46,7 +46,7 @@ template <class Ops>
 struct Scratch {
   std::vector<int64_t> rows;              // [n] element offset of each key's row (all KV heads) in one plane
   std::vector<float> scores;              // [H][tiles * KB], then the unnormalised probabilities
-  std::vector<typename Ops::prob> spare;  // [H][tiles * KB] for to_probs
+  std::vector<typename Ops::prob> spare;  // to_probs's output where P changes type (bf16), else unused
   std::vector<float> acc;                 // [H][D] the weighted sums of V, in weigh_tile's order
 };
 
@@ -121,8 +121,7 @@ void attend_sequence(const typename Ops::elem* q, const typename Ops::elem* cach
   float inv_sum[256];
   TORCH_CHECK(l.heads <= 256, "at most 256 query heads");
   for (int64_t h = 0; h < l.heads; ++h) inv_sum[h] = softmax_unnormalised(w.scores.data() + h * padded, padded);
-  w.spare.resize(l.heads * padded);
-  const typename Ops::prob* probs = Ops::to_probs(w.scores.data(), l.heads * padded, w.spare.data());
+  const typename Ops::prob* probs = Ops::to_probs(w.scores.data(), l.heads * padded, w.spare);
   const elem* values = cache + l.plane;
   prefetch_rows(values, w.rows.data(), 0, std::min<int64_t>(AHEAD, n), row_bytes);
   for (int64_t t0 = 0; t0 < n; t0 += KB) {

@@ -39,10 +39,12 @@ struct Bf16Ops {
   }
 
   // P in bf16 for weigh_tile's pairs: `total` (a multiple of 16) entries into spare.
-  static const uint16_t* to_probs(const float* p, int64_t total, uint16_t* spare) {
+  static const uint16_t* to_probs(const float* p, int64_t total, std::vector<uint16_t>& spare) {
+    spare.resize(total);
     for (int64_t t = 0; t < total; t += KB)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(spare + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t)));
-    return spare;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(spare.data() + t),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t)));
+    return spare.data();
   }
 
   // acc[hh] += sum over t in [t0, t1) of p[h0 + hh][t] * v[t, g], two keys per dot-product instruction:

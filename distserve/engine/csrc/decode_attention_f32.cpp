@@ -42,7 +42,7 @@ struct F32Ops {
     store_scores(partial, count, scale, scores);
   }
 
-  static const float* to_probs(const float* p, int64_t, float*) { return p; }
+  static const float* to_probs(const float* p, int64_t, std::vector<float>&) { return p; }  // P stays float32
 
   // acc[hh] += sum over t in [t0, t1) of p[h0 + hh][t] * v[t, g]. acc: [H][D] float32.
   template <int D, int NH>
