@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny default model, built once per machine and cached."""
+"""Shared fixtures: the default models, built once per machine and cached."""
 
 from __future__ import annotations
 
@@ -10,6 +10,13 @@ from distserve.engine.default_model import ensure_default_model
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     return str(ensure_default_model("tiny"))
+
+
+@pytest.fixture(scope="session")
+def small_model_path() -> str:
+    """The README's default model: its decode steps are slow enough (milliseconds, not the tiny model's
+    ~0.5 ms) that a long request reliably outlives a test's next few requests."""
+    return str(ensure_default_model("small"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,6 +25,7 @@ from tests.builders import generate, sampling, token_request
 from tests.integration.conftest import leftover_state, wait_for_workers, worker_stats
 
 MODEL = "distserve-tiny"
+SMALL_MODEL = "distserve-small"  # small_cluster serves it
 PROMPT = "def fibonacci(n):\n    return"
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
@@ -216,10 +217,11 @@ def used_blocks(cluster: Cluster) -> list[int]:
     return [worker_stats(cluster, n).num_used_blocks for n in cluster.processes if n.startswith("decode")]
 
 
-async def start_long_stream(session: aiohttp.ClientSession, url: str, headers: dict | None = None):
+async def start_long_stream(session: aiohttp.ClientSession, url: str, headers: dict | None = None,
+                            model: str = MODEL):
     """A long streaming request, read until two chunks arrived (decode is running)."""
     response = await session.post(url + "/v1/completions", headers=headers or {}, json={
-        "model": MODEL, "prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "stream": True})
+        "model": model, "prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "stream": True})
     assert response.status == 200
     for _ in range(2):
         assert (await response.content.readuntil(b"\n\n")).startswith(b"data: {")
@@ -238,15 +240,18 @@ async def test_disconnect_mid_stream_frees_decode_blocks_within_1s(cluster):
 
 
 @pytest.fixture(scope="module")
-def small_cluster(tiny_model_path, tmp_path_factory):
+def small_cluster(small_model_path, tmp_path_factory):
     """1 prefill, 1 decode with 128 KV blocks that waits 0.5 s for free blocks and reserves each request's
     whole life up front (so a request that cannot fit is refused, not admitted and preempted later; the
-    growing path is tests/faults/test_preemption.py); the gateway needs API_KEY."""
+    growing path is tests/faults/test_preemption.py); the gateway needs API_KEY.
+
+    The small model, not the tiny one: the tiny model decodes a 1500-token holder in ~1.5 s, too close to
+    the ~0.6 s a refusal takes (a loaded CI box once saw the holder finish first and the request admitted)."""
     free_ports = {f.name: 0 for f in dataclasses.fields(ClusterSpec) if f.name.endswith("_port")}  # incl. gateway
-    spec = ClusterSpec(model=tiny_model_path, **free_ports,
+    spec = ClusterSpec(model=small_model_path, **free_ports,
                        log_dir=str(tmp_path_factory.mktemp("small-logs")),
-                       decode_args=["--kv-cache-mb", "1", "--admission-timeout-s", "0.5", "--reserve-ahead-tokens", "0"],
-                       env={"DISTSERVE_DTYPE": "float32", "DISTSERVE_API_KEY": API_KEY})  # fp32: 1 MiB: 128 blocks
+                       decode_args=["--kv-cache-mb", "32", "--admission-timeout-s", "0.5", "--reserve-ahead-tokens", "0"],
+                       env={"DISTSERVE_DTYPE": "float32", "DISTSERVE_API_KEY": API_KEY})  # fp32 small: 256 KiB/block: 128 blocks
     small = Cluster(spec).start()
     wait_for_workers(small, 1, 1)
     yield small
@@ -256,9 +261,9 @@ def small_cluster(tiny_model_path, tmp_path_factory):
 async def test_api_key_is_required_when_configured(small_cluster):
     url = small_cluster.gateway_url + "/v1/completions"
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        status, _, reply = await post(url, {"prompt": "x"}, headers)
+        status, _, reply = await post(url, {"model": SMALL_MODEL, "prompt": "x"}, headers)
         assert status == 401 and reply["error"]["code"] == "invalid_api_key"
-    status, _, reply = await post(url, {"prompt": "x", "max_tokens": 2}, {"Authorization": f"Bearer {API_KEY}"})
+    status, _, reply = await post(url, {"model": SMALL_MODEL, "prompt": "x", "max_tokens": 2}, {"Authorization": f"Bearer {API_KEY}"})
     assert status == 200 and reply["usage"]["completion_tokens"] == 2
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=small_cluster.gateway_url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -268,10 +273,10 @@ async def test_out_of_kv_capacity_is_429_with_retry_after(small_cluster):
     auth = {"Authorization": f"Bearer {API_KEY}"}
     url = small_cluster.gateway_url + "/v1/completions"
     async with aiohttp.ClientSession() as session:
-        holder = await start_long_stream(session, small_cluster.gateway_url, auth)  # holds 95 of 128 blocks
-        big = {"prompt": "hello", "max_tokens": 1000}
+        holder = await start_long_stream(session, small_cluster.gateway_url, auth, SMALL_MODEL)  # holds 95 of 128 blocks
+        big = {"model": SMALL_MODEL, "prompt": "hello", "max_tokens": 1000}
         (status, headers, reply), (_, raw) = await asyncio.gather(
-            post(url, big, auth), read_sse(url, {"model": MODEL, "stream": True, **big}, auth))
+            post(url, big, auth), read_sse(url, {"stream": True, **big}, auth))
         holder.close()
     assert status == 429 and headers["Retry-After"] == "1"
     assert (reply["error"]["type"], reply["error"]["code"]) == ("rate_limit_error", "rate_limit_exceeded")
@@ -296,11 +301,11 @@ async def test_no_decode_worker_then_no_router_is_503(small_cluster):
     assert await health_problems(small_cluster.gateway_url) == []
     small_cluster.kill("decode-0", signal.SIGTERM)  # deregisters at once
     deadline = time.monotonic() + 10
-    while (status := (await post(url, {"prompt": "x"}, auth))[0]) != 503:
+    while (status := (await post(url, {"model": SMALL_MODEL, "prompt": "x"}, auth))[0]) != 503:
         assert status == 200 and time.monotonic() < deadline
         await asyncio.sleep(0.2)
     assert await health_problems(small_cluster.gateway_url) == ["no decode worker is registered"]
     small_cluster.kill("router", signal.SIGTERM)
-    status, _, reply = await post(url, {"prompt": "x"}, auth)
+    status, _, reply = await post(url, {"model": SMALL_MODEL, "prompt": "x"}, auth)
     assert status == 503 and reply["error"]["code"] == "service_unavailable"
     assert any("router" in p and "unreachable" in p for p in await health_problems(small_cluster.gateway_url))
