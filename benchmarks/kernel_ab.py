@@ -55,7 +55,7 @@ def decode_linear_ab(model: str, dtype: str) -> dict:
         return lambda: [setattr(lin, "_skinny_rows", limit) for lin in linears]
 
     results = {}
-    for batch in (1, 2, 4, 8, 12):
+    for batch in (1, 2, 3, 4, 6, 8, 12, 16):
         step = decode_batch(runner, batch, 256)
         results[str(batch)] = interleaved({"onednn_ms": (rows_limit(0), step), "ours_ms": (rows_limit(99), step)})
     rows_limit(ours_up_to)()

@@ -1,9 +1,10 @@
 """Linear layers with weights prepared for the device's fastest matmul, chosen per call by batch rows.
 
 On CPU, measured on one core (benchmarks/engine_roofline.py, README "Engine"):
-- few rows (small-batch decode: up to 2 in bfloat16, 8 in float32): our compiled kernel
-  (csrc/skinny_matmul.cpp: register-tiled AVX-512, bf16 dot products, software prefetch) streams
-  the weights 1.1-1.4x faster than oneDNN there (a decode step at batch 1: 1.2x in bf16, 1.3x in fp32);
+- few rows (small-batch decode: up to 4 in bfloat16, 16 in float32): our compiled kernel
+  (csrc/skinny_matmul.cpp: register-tiled AVX-512, bf16 dot products, software prefetch into L1 and
+  L2) streams the weights faster than oneDNN there (whole decode steps, interleaved: batch 1 1.4x in
+  bf16 and 1.7x in fp32, batch 4 1.03x in bf16, batch 16 1.2x in fp32);
 - more rows (prefill, larger decode batches): the weight prepacked into oneDNN's blocked layout,
   1.3-2x faster than `F.linear` from 4 to 256 rows in float32 and bfloat16. It is packed on first
   use, so a worker that never runs batches holds no second copy.
@@ -20,7 +21,7 @@ from distserve.engine.cpu_kernels import cpu_kernels
 # Most rows for which our kernel beats oneDNN (measured: benchmarks/engine_roofline.py,
 # "linear_gbps_by_rows"): beyond them its per-row reductions and passes over the tile cost more than
 # oneDNN's blocking saves.
-SKINNY_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+SKINNY_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from distserve.engine.host_memory import HugePageArena
 from distserve.engine.linear import Linear
 from distserve.engine.model_spec import head_dim, num_kv_heads, text_config
 
@@ -111,8 +112,10 @@ def read_state_dict(folder: str) -> dict[str, torch.Tensor]:
 
 
 def load_weights(folder: str, args: ModelArgs, dtype: torch.dtype, device: str) -> ModelWeights:
-    """Reads, fuses and casts the weights; raises ValueError naming a missing tensor."""
+    """Reads, fuses and casts the weights; raises ValueError naming a missing tensor. On CPU the
+    matrices live on huge pages (host_memory: small-batch decode streams them faster from there)."""
     state = read_state_dict(folder)
+    arena = HugePageArena() if torch.device(device).type == "cpu" else None
 
     def take(name: str) -> torch.Tensor:
         if name not in state:
@@ -122,23 +125,31 @@ def load_weights(folder: str, args: ModelArgs, dtype: torch.dtype, device: str) 
     def optional(name: str) -> torch.Tensor | None:
         return take(name) if name in state else None
 
+    def matrix(*names: str) -> torch.Tensor:
+        """The named weights stacked along dim 0 (a fused projection), in the arena on CPU."""
+        parts = [take(name) for name in names]
+        if arena is None:
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return torch.cat(parts, out=arena.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype))
+
     layers = []
     for i in range(args.num_layers):
         p = f"layers.{i}."
         biases = [optional(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
         layers.append(LayerWeights(
-            qkv=Linear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            qkv=Linear(matrix(*[p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
                        torch.cat(biases) if all(b is not None for b in biases) else None),
-            o=Linear(take(p + "self_attn.o_proj.weight")),
-            gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-            down=Linear(take(p + "mlp.down_proj.weight")),
+            o=Linear(matrix(p + "self_attn.o_proj.weight")),
+            gate_up=Linear(matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+            down=Linear(matrix(p + "mlp.down_proj.weight")),
             input_norm=take(p + "input_layernorm.weight"),
             post_attention_norm=take(p + "post_attention_layernorm.weight"),
         ))
-    embed = take("embed_tokens.weight")
-    lm_head = optional("lm_head.weight")
-    if lm_head is None:
-        if not args.tie_word_embeddings:
-            raise ValueError(f"model: weight 'lm_head.weight' missing from {folder}")
+    embed = matrix("embed_tokens.weight")
+    if "lm_head.weight" in state:
+        lm_head = matrix("lm_head.weight")
+    elif args.tie_word_embeddings:
         lm_head = embed
+    else:
+        raise ValueError(f"model: weight 'lm_head.weight' missing from {folder}")
     return ModelWeights(embed=embed, layers=layers, norm=take("norm.weight"), lm_head=Linear(lm_head))

@@ -25,7 +25,7 @@ def test_linear_equals_f_linear_for_every_batch_size(dtype, tolerance, rows, wit
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 16, 17])
 @pytest.mark.parametrize("out_features, in_features", [(300, 512), (37, 64), (64, 1408), (9, 40)])
 def test_the_compiled_kernel_is_built_and_matches(dtype, tolerance, rows, out_features, in_features):
     """Every tile shape: rows beyond a pass of 4, weight rows not a multiple of the tile (the tail), and

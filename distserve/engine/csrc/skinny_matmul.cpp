@@ -30,7 +30,10 @@ namespace {
 constexpr int64_t TILE_N = 4;  // weight rows per tile
 constexpr int64_t ROWS = 4;    // rows of x per pass over a tile (TILE_N * ROWS accumulators)
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
+#define PREFETCH_BYTES 2048  // into L1
+#endif
+#ifndef PREFETCH_L2_BYTES
+#define PREFETCH_L2_BYTES 8192  // into L2
 #endif
 
 // The portable path: one weight row widened to float32 (L1-resident), dotted with every row of x.
@@ -96,11 +99,17 @@ inline void tile(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t n, i
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < TILE_N; ++c) acc[r][c] = _mm512_setzero_ps();
   const scalar_t* wj = w + j * k;
-  // The tile is TILE_N * k contiguous elements, consumed 4 lines per K step; prefetch as many lines
-  // PREFETCH_BYTES further on each step, so enough misses are in flight to stream near bandwidth.
+  // The tile is TILE_N * k contiguous elements, consumed TILE_N lines per K step; prefetch as many
+  // lines PREFETCH_BYTES further on into L1 and PREFETCH_L2_BYTES further on into L2 each step. The
+  // far L2 prefetch keeps enough misses in flight to stream near bandwidth, which the L1 one alone
+  // does not (it is bounded by L1's miss buffers). One core streaming a model's linears at batch 1,
+  // bf16 and fp32 alike: weights on 4 KiB pages 15-40% faster with it (any distance of 8-32 KiB),
+  // on huge pages (host_memory.py) 0-25% faster at 8 KiB and ~10% slower at 16-32 KiB.
   const char* ahead = reinterpret_cast<const char*>(wj) + PREFETCH_BYTES;
-  for (int64_t t = 0; t < k; t += kStep<scalar_t>, ahead += TILE_N * 64) {
+  const char* far_ahead = reinterpret_cast<const char*>(wj) + PREFETCH_L2_BYTES;
+  for (int64_t t = 0; t < k; t += kStep<scalar_t>, ahead += TILE_N * 64, far_ahead += TILE_N * 64) {
     for (int c = 0; c < TILE_N; ++c) _mm_prefetch(ahead + c * 64, _MM_HINT_T0);
+    for (int c = 0; c < TILE_N; ++c) _mm_prefetch(far_ahead + c * 64, _MM_HINT_T1);
     tile_step<scalar_t, R>(x, k, wj, t, acc);
   }
   for (int r = 0; r < R; ++r)
