@@ -180,6 +180,16 @@ def test_compiled_avx512_decode_attention_equals_dense_sdpa(head_dim, heads, kv_
     assert_matches_dense(got.reshape(len(lengths), -1), q, dense_k, dense_v, window, tolerance)
 
 
+@pytest.mark.parametrize("op, dtype", [("paged_decode_attention_bf16", torch.bfloat16),
+                                       ("paged_decode_attention_f32", torch.float32)])
+def test_compiled_avx512_decode_attention_refuses_a_sequence_without_keys(op, dtype):
+    cache = PagedKvCache(1, 4, 64, 4, BLOCK_SIZE, dtype, "cpu")
+    q = torch.zeros(2, 8, 64, dtype=dtype)
+    tables = cache.block_table_tensor([[0], [1]], [3, 1])
+    with pytest.raises(RuntimeError, match="at least one key"):
+        getattr(cpu_kernels(), op)(q, cache.layer(0), tables, torch.tensor([3, 0]), 0, 0.125)
+
+
 def test_decode_uses_the_avx512_kernel_for_its_dtype_and_head_dim():
     from distserve.engine.attention import avx512_decode_kernel
 
