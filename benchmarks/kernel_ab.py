@@ -8,10 +8,13 @@ A/B here alternates its two arms call by call and reports the medians:
   ops, by prompt length; bf16 decode steps with the fused kernels against torch's ops, by batch;
 - decode steps, attention: our AVX-512 paged kernels (bf16, float32) against the generic one, by batch and
   context;
+- decode steps, whole layers: csrc/decode_layer.cpp (one C++ call a layer) against the Python layer, by
+  batch, up to the rows our small-batch matmul takes (linear.SKINNY_ROWS);
 - sampling a temperature-1 batch: batched inverse-CDF draws against torch.multinomial per row.
 
     python -m benchmarks.kernel_ab --out benchmarks/results/kernel_ab.json
     python -m benchmarks.kernel_ab --only decode_attention --out benchmarks/results/kernel_ab_decode_attention.json
+    python -m benchmarks.kernel_ab --only decode_linear --only decode_layer --out benchmarks/results/kernel_ab_decode_small_batch.json
 """
 
 from __future__ import annotations
@@ -118,10 +121,28 @@ def sampling_ab(vocab: int = 32000) -> dict:
     return {"vocab": vocab, "temperature_1_by_batch": results}
 
 
+def decode_layer_ab(model: str, dtype: str) -> dict:
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
+    compiled = runner.model.compiled_decode_layer
+
+    def use(layer_op):
+        return lambda: setattr(runner.model, "compiled_decode_layer", layer_op)
+
+    results = {}
+    for batch in (1, 2, 4, 8, 16):
+        if not runner.model.weights.layers[0].qkv.runs_own_kernel(batch):
+            break
+        step = decode_batch(runner, batch, 256)
+        results[str(batch)] = interleaved({"python_ms": (use(None), step), "compiled_ms": (use(compiled), step)})
+    use(compiled)()
+    return {"dtype": dtype, "compiled_layer_available": compiled is not None, "decode_step_by_batch": results}
+
+
 SECTIONS = {
     "decode_linear": lambda model: [decode_linear_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "prefill_kernels": prefill_ab,
     "decode_attention": lambda model: [decode_attention_ab(model, dtype) for dtype in ("bfloat16", "float32")],
+    "decode_layer": lambda model: [decode_layer_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "sampling": lambda model: sampling_ab(),
 }
 

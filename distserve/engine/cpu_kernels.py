@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "skinny_matmul.cpp", "prefill_attention.cpp",
                                       "silu_and_mul.cpp", "norm_rope.cpp", "decode_attention_bf16.cpp",
-                                      "decode_attention_f32.cpp")]
+                                      "decode_attention_f32.cpp", "decode_layer.cpp")]
 _lock = threading.Lock()
 _module = None
 _tried = False

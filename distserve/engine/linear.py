@@ -42,8 +42,12 @@ class Linear:
         self._kernels = cpu_kernels() if weight.device.type == "cpu" else None
         self._skinny_rows = SKINNY_ROWS.get(weight.dtype, 0)
 
+    def runs_own_kernel(self, rows: int) -> bool:
+        """Whether `rows` rows go through our compiled small-batch kernel (else oneDNN or F.linear)."""
+        return self._kernels is not None and rows <= self._skinny_rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None and x.shape[0] <= self._skinny_rows:
+        if self.runs_own_kernel(x.shape[0]):
             y = self._kernels.skinny_linear(x, self.weight)
             return y if self.bias is None else y + self.bias
         if self._can_prepack:

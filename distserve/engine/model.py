@@ -20,8 +20,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from distserve.engine.attention import PagedDecodeAttention, prefill_attention
-from distserve.engine.cpu_kernels import bf16_cpu_kernels
+from distserve.engine.attention import PagedDecodeAttention, avx512_decode_kernel, prefill_attention
+from distserve.engine.cpu_kernels import bf16_cpu_kernels, cpu_kernels_with
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_spec import text_config
 from distserve.engine.weights import LayerWeights, ModelArgs, ModelWeights
@@ -71,6 +71,7 @@ class LlamaModel:
         self.act = _activation(args.hidden_act)
         self.fused_silu_mul = _fused_silu_and_mul(args.hidden_act, weights.embed)
         self.fused_small_ops = _fused_norm_rope(weights.embed, args.hidden_size, args.head_dim)
+        self.compiled_decode_layer = _compiled_decode_layer(self)
 
     @property
     def device(self) -> torch.device:
@@ -138,7 +139,14 @@ class LlamaModel:
         rope = self.cos[positions], self.sin[positions]  # [N, D] each, shared by every layer
         h = self.weights.embed[input_ids]  # [N, hidden]
         normed = self._norm(h, layers[0].input_norm)
+        compiled = (paged is not None and not chunks and self.compiled_decode_layer is not None
+                    and layers[0].qkv.runs_own_kernel(len(input_ids)))
         for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.norm
+            if compiled:  # the same maths as below, without a Python call per op
+                h, normed = self._compiled_layer(i, layer, h, normed, rope, paged, next_norm)
+                continue
+
             def attend(x, i=i, layer=layer):
                 q, k, v = self._qkv(layer, x, rope)
                 parts = []
@@ -149,9 +157,18 @@ class LlamaModel:
                     paged.cache.write_slots(i, paged.slots, k[num_prefill:], v[num_prefill:])
                     parts.append(paged.attention(q[num_prefill:], paged.cache.layer(i)))
                 return parts[0] if len(parts) == 1 else torch.cat(parts)
-            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.norm
             h, normed = self._layer(layer, h, normed, attend, next_norm)
         return self.weights.lm_head(normed[logits_rows]).float()  # float32 logits [len(logits_rows), V]
+
+    def _compiled_layer(self, i: int, layer: LayerWeights, h: torch.Tensor, normed: torch.Tensor,
+                        rope: tuple[torch.Tensor, torch.Tensor], paged: "PagedStep", next_norm: torch.Tensor):
+        """`_layer` for a decode-only step, as one call of csrc/decode_layer.cpp."""
+        a, attention = self.args, paged.attention
+        return self.compiled_decode_layer(
+            h, normed, layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.gate_up.weight, layer.down.weight,
+            layer.post_attention_norm, next_norm, rope[0], rope[1], paged.cache.layer(i), paged.slots,
+            attention.block_tables, attention.seq_lens, a.num_heads, a.num_kv_heads, attention.window or 0,
+            a.head_dim ** -0.5, a.rms_norm_eps)
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, chunks: list[PrefillChunk],
                 logits_rows: list[int]) -> torch.Tensor:
@@ -196,6 +213,23 @@ def _fused_silu_and_mul(act_name: str, like: torch.Tensor):
     else None. float32 keeps torch's ops: token-exact with transformers."""
     kernels = bf16_cpu_kernels(like, "silu_and_mul_bf16") if act_name in ("silu", "swish") else None
     return kernels.silu_and_mul_bf16 if kernels is not None else None
+
+
+def _compiled_decode_layer(model: LlamaModel):
+    """torch.ops.distserve.decode_layer (csrc/decode_layer.cpp) where it runs exactly this model's
+    maths: on CPU, a silu MLP, no bias but qkv's, our AVX-512 decode attention for the dtype and
+    head_dim, and in bfloat16 the fused kernels; else None (the Python layer)."""
+    w, args = model.weights, model.args
+    if args.hidden_act not in ("silu", "swish") or w.embed.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if any(linear.bias is not None for layer in w.layers for linear in (layer.o, layer.gate_up, layer.down)):
+        return None
+    if w.embed.dtype == torch.bfloat16 and (model.fused_small_ops is None or model.fused_silu_mul is None):
+        return None
+    if avx512_decode_kernel(torch.empty((0, args.head_dim), dtype=w.embed.dtype, device=w.embed.device)) is None:
+        return None
+    kernels = cpu_kernels_with(w.embed, "decode_layer")
+    return kernels.decode_layer if kernels is not None else None
 
 
 def _activation(name: str):
