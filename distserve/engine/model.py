@@ -9,8 +9,9 @@
 Maths follows transformers' modeling code op for op (RMSNorm in float32, rotate-half RoPE, SDPA
 with scale 1/sqrt(D)), so float32 output matches `generate(do_sample=False)` token for token. A
 bfloat16 model on a CPU with AVX512-BF16 runs the same maths through fused kernels (csrc/: add +
-RMSNorm, RoPE, silu*up, prefill attention), within bf16 rounding of the torch ops. The same code
-runs on CUDA, with torch's ops.
+RMSNorm, RoPE, silu*up, prefill attention), within bf16 rounding of the torch ops. A decode-only
+step at small batch runs each layer as one C++ call of the same ops (csrc/decode_layer.cpp), bitwise
+equal to the Python layer. The same code runs on CUDA, with torch's ops.
 """
 
 from __future__ import annotations
