@@ -6,6 +6,10 @@ A/B here alternates its two arms call by call and reports the medians:
 - decode step, linear layers: our small-batch kernel against oneDNN, by batch (linear.SKINNY_ROWS);
 - bf16 prefill: our attention and fused kernels (silu*up, add+RMSNorm, RoPE) against SDPA and torch's
   ops, by prompt length; bf16 decode steps with the fused kernels against torch's ops, by batch;
+- oneDNN weight packing: whole decode steps (batches above linear.SKINNY_ROWS) and a prefill with the
+  weights packed for batch-size hint 1 against linear.PACK_BATCH_HINT;
+- bf16 prefill, attention alone: our compiled kernel against SDPA's CPU flash kernel (the engine picks
+  ours only where the CPU lacks AMX: attention.bf16_prefill_kernel), by prompt length;
 - decode steps, attention: our AVX-512 paged kernels (bf16, float32) against the generic one, by batch and
   context;
 - decode steps, whole layers: csrc/decode_layer.cpp (one C++ call a layer) against the Python layer, by
@@ -14,6 +18,7 @@ A/B here alternates its two arms call by call and reports the medians:
 
     python -m benchmarks.kernel_ab --out benchmarks/results/kernel_ab.json
     python -m benchmarks.kernel_ab --only decode_attention --out benchmarks/results/kernel_ab_decode_attention.json
+    python -m benchmarks.kernel_ab --only linear_pack_hint --only prefill_attention --out benchmarks/results/kernel_ab_amx.json
     python -m benchmarks.kernel_ab --only decode_linear --only decode_layer --out benchmarks/results/kernel_ab_decode_small_batch.json
 """
 
@@ -30,6 +35,9 @@ from benchmarks.engine_roofline import decode_batch
 from benchmarks.results_io import write_results
 from benchmarks.worker_env import reexec_like_a_worker
 from distserve.engine import attention
+from distserve.engine.cpu_kernels import bf16_cpu_kernels
+from distserve.engine.dtype import cpu_has_amx
+from distserve.engine.linear import PACK_BATCH_HINT
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.sampling import SampleRow, SamplingParams, sample_tokens
@@ -89,6 +97,47 @@ def prefill_ab(model: str) -> dict:
     return {"dtype": "bfloat16", "prefill_by_prompt_length": results, "decode_step_by_batch": decode}
 
 
+def linear_pack_hint_ab(model: str, dtype: str) -> dict:
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
+    w = runner.model.weights
+    linears = [lin for layer in w.layers for lin in layer.linears] + [w.lm_head]
+    packed = {hint: [torch.ops.mkldnn._reorder_linear_weight(lin.weight, hint) for lin in linears]
+              for hint in (1, PACK_BATCH_HINT)}
+
+    def use(hint: int):
+        return lambda: [setattr(lin, "_packed", weight) for lin, weight in zip(linears, packed[hint])]
+
+    arms = lambda call: {"hint_1_ms": (use(1), call), f"hint_{PACK_BATCH_HINT}_ms": (use(PACK_BATCH_HINT), call)}  # noqa: E731
+    decode = {str(batch): interleaved(arms(decode_batch(runner, batch, 256))) for batch in (8, 32, 64)}
+    prompt = list(range(10, 266))
+    prefill = interleaved(arms(lambda: runner.prefill([prompt])), 6)
+    use(PACK_BATCH_HINT)()
+    return {"dtype": dtype, "decode_step_by_batch": decode, "prefill_256_tokens": prefill}
+
+
+def prefill_attention_ab(model: str) -> dict:
+    """Whole bf16 prefills: our compiled attention against SDPA, everything else as the engine runs it."""
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
+    kernel_choice = attention.bf16_prefill_kernel
+
+    def ours(q: torch.Tensor):
+        kernels = bf16_cpu_kernels(q, "prefill_attention_bf16")
+        return kernels.prefill_attention_bf16 if kernels is not None and q.shape[-1] in (64, 128) else None
+
+    def use(choice):
+        return lambda: setattr(attention, "bf16_prefill_kernel", choice)
+
+    results = {}
+    for length in (256, 512, 1024):
+        prompt = list(range(10, 10 + length))
+        prefill = lambda: runner.prefill([prompt])  # noqa: E731
+        results[str(length)] = interleaved({"sdpa_ms": (use(lambda q: None), prefill), "ours_ms": (use(ours), prefill)}, 6)
+    use(kernel_choice)()
+    return {"dtype": "bfloat16", "cpu_has_amx": cpu_has_amx(), "engine_uses_ours": kernel_choice(
+        torch.empty(1, 1, runner.model.args.head_dim, dtype=torch.bfloat16)) is not None,
+        "prefill_by_prompt_length": results}
+
+
 def decode_attention_ab(model: str, dtype: str) -> dict:
     """Decode steps: our AVX-512 paged attention against the generic compiled kernel."""
     runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
@@ -141,6 +190,8 @@ def decode_layer_ab(model: str, dtype: str) -> dict:
 SECTIONS = {
     "decode_linear": lambda model: [decode_linear_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "prefill_kernels": prefill_ab,
+    "linear_pack_hint": lambda model: [linear_pack_hint_ab(model, dtype) for dtype in ("bfloat16", "float32")],
+    "prefill_attention": prefill_attention_ab,
     "decode_attention": lambda model: [decode_attention_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "decode_layer": lambda model: [decode_layer_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "sampling": lambda model: sampling_ab(),

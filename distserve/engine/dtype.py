@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from distserve.engine.model_spec import DTYPES
@@ -23,6 +24,13 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether the CPU multiplies bf16 matrices on AMX tiles: oneDNN uses them, and with it torch's bf16
+    matmuls and SDPA's CPU flash kernel (its GEMMs). Read once: callers ask on the hot path."""
+    return "amx_bf16" in cpu_flags()
 
 
 def resolve_dtype(name: str, device: str) -> str:

@@ -141,12 +141,16 @@ def test_compiled_bf16_prefill_attention_equals_sdpa(head_dim, heads, kv_heads, 
     torch.testing.assert_close(got.float(), _masked_reference(q, kv, position, window), atol=2e-2, rtol=2e-2)
 
 
-def test_bf16_prefill_uses_the_compiled_kernel_and_float32_keeps_sdpa():
-    from distserve.engine.attention import bf16_prefill_kernel
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_prefill_uses_the_compiled_kernel_without_amx_and_float32_keeps_sdpa(monkeypatch, amx):
+    """Ours where the CPU has AVX512-BF16 but no AMX; with AMX, SDPA (its GEMMs run on AMX tiles)."""
+    from distserve.engine import attention
 
-    assert bf16_prefill_kernel(torch.empty(1, 8, 64, dtype=torch.bfloat16)) is not None
-    assert bf16_prefill_kernel(torch.empty(1, 8, 64)) is None  # float32: token-exact with transformers
-    assert bf16_prefill_kernel(torch.empty(1, 8, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: amx)
+    bf16 = torch.empty(1, 8, 64, dtype=torch.bfloat16)
+    assert (attention.bf16_prefill_kernel(bf16) is not None) == (not amx)
+    assert attention.bf16_prefill_kernel(torch.empty(1, 8, 64)) is None  # float32: token-exact with transformers
+    assert attention.bf16_prefill_kernel(torch.empty(1, 8, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
 
 
 

@@ -85,11 +85,12 @@ def head_dim_64_folder(request, tmp_path_factory):
     return str(folder)
 
 
-def test_bf16_prefill_with_compiled_kernels_tracks_float32_transformers(head_dim_64_folder):
+def test_bf16_prefill_with_compiled_kernels_tracks_float32_transformers(head_dim_64_folder, monkeypatch):
     """bf16 prefill (our prefill attention, fused norm/RoPE/MLP kernels, Mistral's window included) stays as
     close to float32 transformers as bf16 rounding allows: the same bound torch's own ops meet."""
     import distserve.engine.attention as attention
 
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: False)  # our attention even where AMX makes SDPA the pick
     runner = ModelRunner(load_engine_model(head_dim_64_folder, "bfloat16", "cpu"))
     assert runner.model.fused_small_ops is not None and runner.model.fused_silu_mul is not None
     assert attention.bf16_prefill_kernel(
