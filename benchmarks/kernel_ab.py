@@ -35,7 +35,6 @@ from benchmarks.engine_roofline import decode_batch
 from benchmarks.results_io import write_results
 from benchmarks.worker_env import reexec_like_a_worker
 from distserve.engine import attention
-from distserve.engine.cpu_kernels import bf16_cpu_kernels
 from distserve.engine.dtype import cpu_has_amx
 from distserve.engine.linear import PACK_BATCH_HINT
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
@@ -107,7 +106,9 @@ def linear_pack_hint_ab(model: str, dtype: str) -> dict:
     def use(hint: int):
         return lambda: [setattr(lin, "_packed", weight) for lin, weight in zip(linears, packed[hint])]
 
-    arms = lambda call: {"hint_1_ms": (use(1), call), f"hint_{PACK_BATCH_HINT}_ms": (use(PACK_BATCH_HINT), call)}  # noqa: E731
+    def arms(call):
+        return {"hint_1_ms": (use(1), call), f"hint_{PACK_BATCH_HINT}_ms": (use(PACK_BATCH_HINT), call)}
+
     decode = {str(batch): interleaved(arms(decode_batch(runner, batch, 256))) for batch in (8, 32, 64)}
     prompt = list(range(10, 266))
     prefill = interleaved(arms(lambda: runner.prefill([prompt])), 6)
@@ -120,10 +121,6 @@ def prefill_attention_ab(model: str) -> dict:
     runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
     kernel_choice = attention.bf16_prefill_kernel
 
-    def ours(q: torch.Tensor):
-        kernels = bf16_cpu_kernels(q, "prefill_attention_bf16")
-        return kernels.prefill_attention_bf16 if kernels is not None and q.shape[-1] in (64, 128) else None
-
     def use(choice):
         return lambda: setattr(attention, "bf16_prefill_kernel", choice)
 
@@ -131,7 +128,8 @@ def prefill_attention_ab(model: str) -> dict:
     for length in (256, 512, 1024):
         prompt = list(range(10, 10 + length))
         prefill = lambda: runner.prefill([prompt])  # noqa: E731
-        results[str(length)] = interleaved({"sdpa_ms": (use(lambda q: None), prefill), "ours_ms": (use(ours), prefill)}, 6)
+        results[str(length)] = interleaved({"sdpa_ms": (use(lambda q: None), prefill),
+                                            "ours_ms": (use(attention.compiled_bf16_prefill_kernel), prefill)}, 6)
     use(kernel_choice)()
     return {"dtype": "bfloat16", "cpu_has_amx": cpu_has_amx(), "engine_uses_ours": kernel_choice(
         torch.empty(1, 1, runner.model.args.head_dim, dtype=torch.bfloat16)) is not None,

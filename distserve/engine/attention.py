@@ -57,13 +57,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks,
 
 
 def bf16_prefill_kernel(q: torch.Tensor):
+    """The prefill attention kernel the engine uses for bfloat16 q: ours (`compiled_bf16_prefill_kernel`)
+    where the CPU has AVX512-BF16 but no AMX, else None (torch SDPA). Without AMX ours is ~2x faster than
+    SDPA's CPU flash kernel per layer at 256 tokens; with AMX, SDPA's GEMMs run on AMX tiles and whole
+    prefills are faster through it (kernel_ab prefill_attention: 256 tokens 26.1 vs 30.7 ms, 1024 118.7
+    vs 225.5). float32 keeps SDPA, the op transformers uses, so float32 output stays token-exact with
+    `generate`."""
+    return None if cpu_has_amx() else compiled_bf16_prefill_kernel(q)
+
+
+def compiled_bf16_prefill_kernel(q: torch.Tensor):
     """Our compiled prefill attention (csrc/prefill_attention.cpp) for bfloat16 q on a CPU with
-    AVX512-BF16 but no AMX, and head_dim 64 or 128; else None (torch SDPA). Measured on one core, head_dim
-    64, per layer (kernel_ab prefill_attention): without AMX ours is ~2x faster than SDPA's CPU flash
-    kernel at 256 tokens; with AMX, SDPA's GEMMs run on AMX tiles and it is faster (256 tokens 0.80 vs
-    1.23 ms, 1024 tokens 6.5 vs 19.9 ms). float32 keeps SDPA, the op transformers uses, so float32
-    output stays token-exact with `generate`."""
-    if q.shape[-1] not in (64, 128) or cpu_has_amx():
+    AVX512-BF16 and head_dim 64 or 128, else None."""
+    if q.shape[-1] not in (64, 128):
         return None
     kernels = bf16_cpu_kernels(q, "prefill_attention_bf16")
     return kernels.prefill_attention_bf16 if kernels is not None else None
