@@ -57,8 +57,7 @@ def interleaved(arms: dict, repeats: int = 10) -> dict[str, float]:
 
 def decode_linear_ab(model: str, dtype: str) -> dict:
     runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
-    w = runner.model.weights
-    linears = [lin for layer in w.layers for lin in layer.linears] + [w.lm_head]
+    linears = runner.model.weights.linears
     ours_up_to = linears[0]._skinny_rows
 
     def rows_limit(limit: int):
@@ -98,8 +97,7 @@ def prefill_ab(model: str) -> dict:
 
 def linear_pack_hint_ab(model: str, dtype: str) -> dict:
     runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
-    w = runner.model.weights
-    linears = [lin for layer in w.layers for lin in layer.linears] + [w.lm_head]
+    linears = runner.model.weights.linears
     packed = {hint: [torch.ops.mkldnn._reorder_linear_weight(lin.weight, hint) for lin in linears]
               for hint in (1, PACK_BATCH_HINT)}
 

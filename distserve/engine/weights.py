@@ -84,10 +84,14 @@ class ModelWeights:
     lm_head: Linear  # hidden -> V (a copy of the embedding when tied)
 
     @property
+    def linears(self) -> list[Linear]:
+        """Every matmul a decode step runs: the lm_head, then each layer's."""
+        return [self.lm_head] + [linear for layer in self.layers for linear in layer.linears]
+
+    @property
     def num_bytes(self) -> int:
         """Bytes a decode step streams: every matrix but the embedding (read one row per token)."""
-        linears = [self.lm_head] + [linear for layer in self.layers for linear in layer.linears]
-        return sum(linear.num_bytes for linear in linears)
+        return sum(linear.num_bytes for linear in self.linears)
 
 
 def _safetensor_files(folder: Path) -> list[Path]:
