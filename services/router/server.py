@@ -346,8 +346,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """The decode stream's next message (or EOF); a worker silent for decode_idle_timeout_s is
         treated as stalled: DEADLINE_EXCEEDED, which moves the request to another worker."""
         try:
-            return await asyncio.wait_for(call.read(), self._config.decode_idle_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: no task per message (wait_for's was ~6% of the router's CPU)
+            async with asyncio.timeout(self._config.decode_idle_timeout_s):
+                return await call.read()
+        except TimeoutError:
             raise StageFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no message for {self._config.decode_idle_timeout_s:g}s", worker, "decode") from None
 
