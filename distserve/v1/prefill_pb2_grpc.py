@@ -39,6 +39,11 @@ class PrefillServiceStub:
                 request_serializer=distserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=distserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/distserve.v1.PrefillService/PrefillStream',
+                request_serializer=distserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=distserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                _registered_method=True)
         self.GetPrefillStats = channel.unary_unary(
                 '/distserve.v1.PrefillService/GetPrefillStats',
                 request_serializer=distserve_dot_v1_dot_prefill__pb2.GetPrefillStatsRequest.SerializeToString,
@@ -52,6 +57,17 @@ class PrefillServiceServicer:
     def Prefill(self, request, context):
         """Runs the prompt, samples the first token and registers the prompt's KV
         cache with the kvbroker. The KV stays on this worker until released.
+        The whole answer in one message: PrefillStream's parts merged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """The same answer in two parts, so the first token need not wait for the KV's registration:
+        first everything but kv_handle_id and kv_layout, as soon as the first token is sampled; then,
+        once the KV is held and registered, kv_handle_id and kv_layout. Only the first part when no KV
+        is kept (every completion finished on its first token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,6 +84,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
+                    request_deserializer=distserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=distserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
                     request_deserializer=distserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=distserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
@@ -102,6 +123,33 @@ class PrefillService:
             request,
             target,
             '/distserve.v1.PrefillService/Prefill',
+            distserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            distserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/distserve.v1.PrefillService/PrefillStream',
             distserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             distserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,

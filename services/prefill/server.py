@@ -42,6 +42,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._metrics = metrics
 
     async def Prefill(self, request, context):
+        response = prefill_pb2.PrefillResponse()
+        async for part in self.PrefillStream(request, context):
+            response.MergeFrom(part)
+        return response
+
+    async def PrefillStream(self, request, context):
+        """The first token as soon as it is sampled, then the registered KV handle (proto comment)."""
         rid = request.request_id
         with tracing.server_context(context), tracing.span("prefill", rid, **{
                 "gen_ai.operation.name": "text_completion", "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
@@ -65,12 +72,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 response.first_token_logprobs.CopyFrom(logprobs_to_proto(result.first_token_logprobs))
             response.prompt_logprobs.extend(map(logprobs_to_proto, result.prompt_logprobs or ()))
             response.starts.extend(starts_to_proto(result.starts))
+            yield response  # the router streams the first token while the KV is registered
             if all(finish is not None for finish in [s.finish for s in result.starts] or [result.finish_reason]):
-                return response  # no completion goes on to decode: no KV to hold
-            response.kv_handle_id = request.kv_handle_id or uuid.uuid4().hex
-            response.kv_layout.CopyFrom(self._layout(len(prompt), result.kv))
-            await self._register(request, response, result.kv, context)
-            return response
+                return  # no completion goes on to decode: no KV to hold
+            kv_part = prefill_pb2.PrefillResponse(kv_handle_id=request.kv_handle_id or uuid.uuid4().hex,
+                                                  kv_layout=self._layout(len(prompt), result.kv))
+            await self._register(request, kv_part, result.kv, context)
+            yield kv_part
 
     async def _validated(self, request, context) -> tuple[list[int], SamplingParams, int | None]:
         """The tokens to prefill, the sampling parameters, and the known next token of a migrated

@@ -235,15 +235,24 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                        handle_id: str, secret: str):
         """One try at the rest of the request. Raises StageFailed if a worker failed in a way another
         worker can make up for; the request's own errors abort the call."""
-        with self._picker.track(prefill_worker, len(req.prompt) + len(req.outputs)):
-            first = await self._prefill(req, prefill_worker, handle_id, secret)
-        if not req.outputs:
-            for message in self._first_messages(req, first, prefill_worker, decode_worker):
-                yield message
-            if req.all_finished:
-                if first.kv_handle_id:  # a stop string on the first token leaves KV held
-                    self._broker.release_soon(handle_id, "finished", req.request_id)
-                return
+        call = await self._prefill(req, prefill_worker, handle_id, secret)
+        try:
+            with self._picker.track(prefill_worker, len(req.prompt) + len(req.outputs)):
+                first = await self._prefill_part(call, prefill_worker)
+            if first is grpc.aio.EOF:
+                raise StageFailed(grpc.StatusCode.INTERNAL, "prefill stream ended without its first token",
+                                  prefill_worker, "prefill")
+            if not req.outputs:  # the first token goes out while the prefill worker registers the KV
+                for message in self._first_messages(req, first, prefill_worker, decode_worker):
+                    yield message
+            while (kv := await self._prefill_part(call, prefill_worker)) is not grpc.aio.EOF:
+                first.MergeFrom(kv)  # kv_handle_id and kv_layout; read to the end, which closes the worker's spans
+        finally:
+            call.cancel()
+        if req.all_finished:
+            if first.kv_handle_id:  # a stop string on the first token leaves KV held
+                self._broker.release_soon(handle_id, "finished", req.request_id)
+            return
         async for message in self._decode(req, first, decode_worker, secret):
             yield message
 
@@ -301,8 +310,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                    f"{self._config.connect_timeout_s:g}s", worker, stage) from None
         return channel
 
-    async def _prefill(self, req: RequestState, worker: WorkerRecord, handle_id: str,
-                       secret: str) -> prefill_pb2.PrefillResponse:
+    async def _prefill(self, req: RequestState, worker: WorkerRecord, handle_id: str, secret: str):
+        """The PrefillStream call: the first token, then the registered KV handle (see the proto)."""
         stub = prefill_pb2_grpc.PrefillServiceStub(await self._connected(worker, "prefill"))
         # a migrated request's prompt logprobs were sent already: not computed again
         params = dataclasses.replace(req.params, prompt_logprobs=None) if req.outputs else req.params
@@ -310,8 +319,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                           sampling=sampling_to_proto(params), kv_handle_id=handle_id,
                                           output_token_ids=req.outputs, kv_secret=secret,
                                           n=len(req.completions))
+        return stub.PrefillStream(call, timeout=self._config.prefill_timeout_s)
+
+    async def _prefill_part(self, call, worker: WorkerRecord):
+        """The PrefillStream's next part (EOF after the last); raises StageFailed if the worker fails."""
         try:
-            return await stub.Prefill(call, timeout=self._config.prefill_timeout_s)
+            return await call.read()
         except grpc.aio.AioRpcError as exc:
             raise StageFailed.of(exc, worker, "prefill") from exc
 

@@ -16,8 +16,10 @@ import urllib.request
 
 import grpc
 import pytest
+import redis
 
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.kvbroker.store import HANDLE_KEY_PREFIX
 from services.router.config import RouterConfig
 from tests.faults.conftest import TRANSFER_TIMEOUT_S
 
@@ -94,6 +96,15 @@ def _process_name(cluster, worker_id: str) -> str:
     return names[0]
 
 
+def _wait_registered(cluster, timeout_s: float = 30) -> None:
+    """Until a KV handle is registered with the kvbroker (a key in Redis)."""
+    store = redis.Redis.from_url(cluster.redis_url)
+    deadline = time.monotonic() + timeout_s
+    while not store.keys(HANDLE_KEY_PREFIX + "*"):
+        assert time.monotonic() < deadline, "no KV handle registered"
+        time.sleep(0.02)
+
+
 def _router_retries(cluster, stage: str) -> float:
     """The router's distserve:request_retries_total for `stage`, from its /metrics endpoint."""
     text = urllib.request.urlopen(cluster.processes["router"].metrics_url, timeout=10).read().decode()
@@ -105,6 +116,21 @@ def _router_retries(cluster, stage: str) -> float:
 def unfailed(faults_cluster) -> list[list[int]]:
     """Each request's tokens from a run where nothing failed."""
     return [stream.result() for stream in _run_all(faults_cluster)]
+
+
+def test_the_first_token_reaches_the_client_before_its_kv_is_registered(faults_cluster, unfailed):
+    """The prefill worker streams the first token, then registers the KV with the kvbroker: with the
+    kvbroker paused the client still gets its first token (and no decode can start); once the
+    kvbroker resumes, the request ends as an unfailed run does."""
+    broker = faults_cluster.processes["kvbroker"].popen.pid
+    os.kill(broker, signal.SIGSTOP)
+    try:
+        stream = _run_all(faults_cluster, REQUESTS[:1])[0]
+        assert stream.first_token.wait(30), "no first token while the kvbroker is paused"
+        assert stream.error is None and stream.messages == 1 and not stream.decoding.is_set()
+    finally:
+        os.kill(broker, signal.SIGCONT)
+    assert stream.result() == unfailed[0]
 
 
 def test_decode_worker_killed_mid_stream_continues_elsewhere_with_identical_output(faults_cluster, unfailed):
@@ -132,6 +158,7 @@ def test_prefill_worker_killed_before_its_kv_is_pulled_is_prefilled_again(faults
     try:
         stream = _run_all(faults_cluster, REQUESTS[1:2])[0]
         assert stream.first_token.wait(30), "no first token"
+        _wait_registered(faults_cluster)  # the first token comes before the KV is registered
         faults_cluster.kill(_process_name(faults_cluster, stream.prefill_worker))
         time.sleep(0.2)
     finally:
@@ -172,6 +199,7 @@ def test_a_stalled_prefill_worker_holding_kv_costs_one_transfer_timeout(faults_c
     try:
         stream = _run_all(faults_cluster, REQUESTS[1:2])[0]
         assert stream.first_token.wait(30), "no first token"
+        _wait_registered(faults_cluster)  # the first token comes before the KV is registered
         stalled = faults_cluster.processes[_process_name(faults_cluster, stream.prefill_worker)].popen.pid
         os.kill(stalled, signal.SIGSTOP)
     finally:
