@@ -235,9 +235,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                        handle_id: str, secret: str):
         """One try at the rest of the request. Raises StageFailed if a worker failed in a way another
         worker can make up for; the request's own errors abort the call."""
-        call = await self._prefill(req, prefill_worker, handle_id, secret)
+        call = None
         try:
+            # In flight from the pick on, connecting included: requests picked meanwhile see it.
             with self._picker.track(prefill_worker, len(req.prompt) + len(req.outputs)):
+                call = await self._prefill(req, prefill_worker, handle_id, secret)
                 first = await self._prefill_part(call, prefill_worker)
             if first is grpc.aio.EOF:
                 raise StageFailed(grpc.StatusCode.INTERNAL, "prefill stream ended without its first token",
@@ -245,10 +247,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if not req.outputs:  # the first token goes out while the prefill worker registers the KV
                 for message in self._first_messages(req, first, prefill_worker, decode_worker):
                     yield message
-            while (kv := await self._prefill_part(call, prefill_worker)) is not grpc.aio.EOF:
-                first.MergeFrom(kv)  # kv_handle_id and kv_layout; read to the end, which closes the worker's spans
+            await self._merge_kv_part(req, call, first, prefill_worker)
         finally:
-            call.cancel()
+            if call is not None:
+                call.cancel()
         if req.all_finished:
             if first.kv_handle_id:  # a stop string on the first token leaves KV held
                 self._broker.release_soon(handle_id, "finished", req.request_id)
@@ -327,6 +329,20 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             return await call.read()
         except grpc.aio.AioRpcError as exc:
             raise StageFailed.of(exc, worker, "prefill") from exc
+
+    async def _merge_kv_part(self, req: RequestState, call, first, worker: WorkerRecord) -> None:
+        """Merges the PrefillStream's KV part (kv_handle_id, kv_layout) into `first`, reading to the
+        stream's end, which keeps the worker's spans inside the request's. The worker registers the KV
+        before it sends that part, so a failure after it is no prefill failure: decode's pull finds out
+        whether the KV can still be had (a retry there, if not). Raises StageFailed before it."""
+        try:
+            while (kv := await call.read()) is not grpc.aio.EOF:
+                first.MergeFrom(kv)
+        except grpc.aio.AioRpcError as exc:
+            if not first.kv_handle_id:
+                raise StageFailed.of(exc, worker, "prefill") from exc
+            log.warning("request_id=%s prefill worker %s failed after handing over its KV handle (%s); "
+                        "decoding on", req.request_id, worker.worker_id, exc.code().name)
 
     async def _decode(self, req: RequestState, first, worker: WorkerRecord, secret: str):
         """Streams the decode worker's tokens; raises StageFailed if the worker fails."""

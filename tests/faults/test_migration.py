@@ -96,13 +96,16 @@ def _process_name(cluster, worker_id: str) -> str:
     return names[0]
 
 
-def _wait_registered(cluster, timeout_s: float = 30) -> None:
-    """Until a KV handle is registered with the kvbroker (a key in Redis)."""
+def _wait_handed_over(cluster, timeout_s: float = 30) -> None:
+    """Until the prefill worker has handed its KV handle to the router: the handle is registered with
+    the kvbroker (a key in Redis), and the worker sends it right after (the first token comes before
+    either); the margin covers that send on a loaded machine, as nothing in the router shows it."""
     store = redis.Redis.from_url(cluster.redis_url)
     deadline = time.monotonic() + timeout_s
     while not store.keys(HANDLE_KEY_PREFIX + "*"):
         assert time.monotonic() < deadline, "no KV handle registered"
         time.sleep(0.02)
+    time.sleep(0.5)
 
 
 def _router_retries(cluster, stage: str) -> float:
@@ -158,7 +161,7 @@ def test_prefill_worker_killed_before_its_kv_is_pulled_is_prefilled_again(faults
     try:
         stream = _run_all(faults_cluster, REQUESTS[1:2])[0]
         assert stream.first_token.wait(30), "no first token"
-        _wait_registered(faults_cluster)  # the first token comes before the KV is registered
+        _wait_handed_over(faults_cluster)
         faults_cluster.kill(_process_name(faults_cluster, stream.prefill_worker))
         time.sleep(0.2)
     finally:
@@ -199,7 +202,7 @@ def test_a_stalled_prefill_worker_holding_kv_costs_one_transfer_timeout(faults_c
     try:
         stream = _run_all(faults_cluster, REQUESTS[1:2])[0]
         assert stream.first_token.wait(30), "no first token"
-        _wait_registered(faults_cluster)  # the first token comes before the KV is registered
+        _wait_handed_over(faults_cluster)
         stalled = faults_cluster.processes[_process_name(faults_cluster, stream.prefill_worker)].popen.pid
         os.kill(stalled, signal.SIGSTOP)
     finally:
