@@ -1,6 +1,11 @@
-"""The compiled kernels' build name: one build per set of sources, headers and flags."""
+"""The compiled kernels' build: one per set of sources, headers and flags, running on torch's thread pool."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 from distserve.engine import cpu_kernels
 
@@ -17,3 +22,36 @@ def test_build_name_changes_with_a_header_a_source_or_a_flag(tmp_path, monkeypat
     (tmp_path / "kernel.cpp").write_text('#include "shared.h"\n// changed\n')
     after_source = cpu_kernels._build_name(["-O3"])
     assert len({first, after_header, after_source, cpu_kernels._build_name(["-O2"])}) == 4
+
+
+# Run in a fresh interpreter: torch's OpenMP pool starts its worker threads at the first parallel loop,
+# so the thread count before and after one kernel call shows whether the kernel ran on the pool.
+_POOL_PROBE = """
+import json, os, torch
+torch.manual_seed(0)
+torch.set_num_threads(2)
+from distserve.engine.cpu_kernels import cpu_kernels
+kernels = cpu_kernels()
+assert kernels is not None, "the CPU kernels did not build"
+batch, heads, head_dim, block = 4, 2, 8, 4
+q = torch.randn(batch, heads, head_dim)
+cache = torch.randn(2, batch + 1, block, heads, head_dim)
+tables = torch.arange(batch).view(batch, 1)
+lens = torch.tensor([4, 3, 2, 1])
+threads_before = len(os.listdir("/proc/self/task"))
+on_two = kernels.paged_decode_attention(q, cache, tables, lens, 0, 0.5)
+threads_after = len(os.listdir("/proc/self/task"))
+torch.set_num_threads(1)
+on_one = kernels.paged_decode_attention(q, cache, tables, lens, 0, 0.5)
+print(json.dumps({"new_threads": threads_after - threads_before, "same": bool(torch.equal(on_one, on_two))}))
+"""
+
+
+def test_the_kernels_run_on_torchs_thread_pool_with_the_same_result():
+    """Built with OpenMP, a kernel's at::parallel_for splits its loop over torch's threads (without,
+    it ran on the calling thread alone); splitting it does not change a bit of the output."""
+    probe = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, timeout=600,
+                           cwd=Path(__file__).parents[2])
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    result = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert result == {"new_threads": 1, "same": True}
