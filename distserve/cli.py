@@ -36,6 +36,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", default="", help="cores to split among the workers, one share each, e.g. 0-3 "
                                                    "(default: all cores this process may use)")
     parser.add_argument("--share-cores", action="store_true", help="do not split: every worker may use all cores")
+    parser.add_argument("--take-turns", action="store_true",
+                        help="do not split: prefill and decode workers share all cores and take turns computing, "
+                             "prefill first, so every forward runs on all of them (README \"Cores\")")
     parser.add_argument("--control-cpus", default="",
                         help="cores for the router, gateway, kvbroker and Redis, e.g. the decode workers' (default: "
                              "not pinned). On 2 cores, 1+1, putting them on the decode core measured TTFT p50 "
@@ -78,7 +81,8 @@ def _spec(args) -> ClusterSpec:
                        num_colocated=args.colocated,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
-                       cpus=args.cpus, share_cores=args.share_cores, control_cpus=args.control_cpus,
+                       cpus=args.cpus, share_cores=args.share_cores, take_turns=args.take_turns,
+                       control_cpus=args.control_cpus,
                        tls=make_dev_certs(args.tls_dir) if args.tls_dir else PLAINTEXT,
                        env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device})
 
@@ -91,7 +95,8 @@ def _absolute_if_file(value: str) -> str:
 
 def _print_cores(cluster: Cluster) -> None:
     control = f", control plane -> {cluster.control_cpus}" if cluster.control_cpus is not None else ""
-    print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control,
+    turns = " (prefill and decode take turns, prefill first)" if cluster.spec.take_turns else ""
+    print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control + turns,
           flush=True)
 
 

@@ -85,6 +85,10 @@ def find_redis_server() -> str:
 # logits, MLP activations) fault their pages in afresh: measured 4-5x slower KV gathers at batch 50.
 # Keeping freed memory in the heap removes that. glibc reads these only at process start.
 WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+# Workers taking turns (--take-turns): an idle OpenMP thread spins ~12 ms (libgomp's default 300k spins,
+# measured) after its process's forward before it sleeps, on the cores the other worker's turn now has.
+# 10k spins (~0.4 ms) still bridge the gaps between one forward's parallel loops.
+TURNS_OPENMP_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 
 @dataclasses.dataclass
@@ -113,6 +117,8 @@ class ClusterSpec:
     colocated_args: list[str] = dataclasses.field(default_factory=list)
     cpus: str = ""  # cores to split among the workers, e.g. 0-3; empty: those the launcher may run on
     share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
+    # True: no split, and prefill and decode workers take turns at all of `cpus` (distserve.engine.core_turns)
+    take_turns: bool = False
     # Cores for the router, gateway, kvbroker and Redis, e.g. the decode workers' ("": not pinned, they
     # run wherever the OS puts them, prefill cores included). See README "Side by side" for the trade.
     control_cpus: str = ""
@@ -144,7 +150,10 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
              + [f"colocated-{i}" for i in range(spec.num_colocated)])
     if spec.share_cores:
         return {name: available for name in names}
-    return dict(zip(names, split_cores(available, spec.num_prefill, spec.num_decode, spec.num_colocated)))
+    split = dict(zip(names, split_cores(available, spec.num_prefill, spec.num_decode, spec.num_colocated)))
+    if spec.take_turns:  # prefill takes every core in its turn; decode keeps its share, and pauses meanwhile
+        split.update({name: available for name in names if name.startswith("prefill-")})
+    return split
 
 
 @dataclasses.dataclass
@@ -294,6 +303,9 @@ class Cluster:
             env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's OpenMP pool is sized at import
         if module in ("services.prefill", "services.decode", "services.colocated"):
             env.update({k: v for k, v in WORKER_MALLOC_ENV.items() if k not in os.environ})
+        if self.spec.take_turns and module in ("services.prefill", "services.decode"):
+            argv += ["--core-turns", str(self.log_dir / "core-turns")]
+            env.update({k: v for k, v in TURNS_OPENMP_ENV.items() if k not in os.environ})
         argv += extra_args
         process = self._spawn(name, argv, env)
         process.address = address

@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/peer/compare.sh [OUT_DIR] [DTYPES] [RATES]
 #   bash benchmarks/peer/compare.sh benchmarks/results/peer "float32 bfloat16" "4 inf"
+#   VARIANTS="distserve distserve-turns" bash benchmarks/peer/compare.sh ...  # also with --take-turns
 #
 # Needs the peer venv (bash ../shared/peer-bench/setup.sh) and this project's .venv. Writes one
 # vllm bench JSON per (system, dtype, rate) to OUT_DIR, then OUT_DIR/summary.md.
@@ -46,12 +47,15 @@ for dtype in $DTYPES; do
   run_rates vllm "$dtype" http://127.0.0.1:8001
   kill -TERM -- -"$pid"; sleep 5
 
-  setsid .venv/bin/distserve up --model default:small --dtype "$dtype" --prefill 1 --decode 1 \
-    --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/distserve-$dtype" >"$LOGS/up-$dtype.log" 2>&1 &
-  pid=$!
-  wait_health http://127.0.0.1:8000 "$pid"
-  run_rates distserve "$dtype" http://127.0.0.1:8000
-  kill -TERM -- -"$pid"; wait "$pid" || true; sleep 3
+  for system in ${VARIANTS:-distserve}; do  # distserve: one core per worker; distserve-turns: --take-turns
+    turns=(); [ "$system" = distserve-turns ] && turns=(--take-turns)
+    setsid .venv/bin/distserve up --model default:small --dtype "$dtype" --prefill 1 --decode 1 "${turns[@]}" \
+      --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system-$dtype" >"$LOGS/up-$system-$dtype.log" 2>&1 &
+    pid=$!
+    wait_health http://127.0.0.1:8000 "$pid"
+    run_rates "$system" "$dtype" http://127.0.0.1:8000
+    kill -TERM -- -"$pid"; wait "$pid" || true; sleep 3
+  done
 done
 .venv/bin/python -m benchmarks.peer.summarize "$OUT" | tee "$OUT/summary.md"
 echo "logs: $LOGS"

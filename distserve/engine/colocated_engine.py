@@ -30,6 +30,7 @@ class ColocatedEngine:
         self.prefill = prefill
         self.decode = decode
         self._wakeup = wakeup
+        self.compute = decode.compute  # one forward thread for the worker (see distserve.engine.compute_thread)
         self.num_steps = 0
 
     @property
@@ -55,7 +56,7 @@ class ColocatedEngine:
             if chunks:
                 self.prefill.begin(chunks)
             try:
-                results, sampled = await asyncio.to_thread(self._step, chunks, decoding)
+                results, sampled = await self.compute.run(self._step, chunks, decoding)
             except Exception as exc:  # a failed step fails its requests, not the worker
                 self.prefill.fail(chunks, exc)
                 if decoding:

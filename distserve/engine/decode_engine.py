@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from distserve.engine.compute_thread import ComputeThread
+from distserve.engine.core_turns import CoreTurns, NoTurns
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs
@@ -54,15 +56,18 @@ class NoCapacity(RuntimeError):
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, kv_cache: PagedKvCache, scheduler: DecodeScheduler,
                  eos_ids: tuple[int, ...], max_context: int, wakeup: asyncio.Event | None = None,
-                 grammars: LazyGrammarCompiler | None = None):
+                 grammars: LazyGrammarCompiler | None = None, turns: CoreTurns | NoTurns = NoTurns()):
         """`wakeup` is set whenever a sequence arrives or is aborted (pass a shared one when another
-        loop, such as the colocated engine's, drives this engine instead of `run`)."""
+        loop, such as the colocated engine's, drives this engine instead of `run`). Each step runs in
+        one of `turns`' turns (cores shared with other workers; see distserve.engine.core_turns)."""
         self.runner = runner
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self._eos_ids = eos_ids
         self._max_context = max_context
         self.grammars = grammars  # builds grammar states for constrained sequences (None: refused)
+        self.turns = turns
+        self.compute = ComputeThread("decode-step")
         self._wakeup = wakeup or asyncio.Event()
         self._blocks_freed = asyncio.Event()
         scheduler.allocator.on_free = self._blocks_freed.set
@@ -118,7 +123,7 @@ class DecodeEngine:
             if batch:
                 try:
                     started = time.perf_counter()
-                    sampled = await asyncio.to_thread(self._step, batch)
+                    sampled = await self.compute.run(self._step, batch)
                     self.step_stats.add(len(batch), time.perf_counter() - started, self._step_compute_s)
                 except Exception as exc:  # a failed step ends its batch's requests, not the worker
                     self.fail(batch, exc)
@@ -147,11 +152,12 @@ class DecodeEngine:
 
     def _step(self, batch: list[Sequence]) -> "Sampled":
         """One forward for the batch, then a token per sequence (or that sequence's sampling error)."""
-        started = time.perf_counter()
-        try:
-            return self._forward_and_sample(batch)
-        finally:
-            self._step_compute_s = time.perf_counter() - started
+        with self.turns.turn():
+            started = time.perf_counter()  # after the wait for the cores: step wall - compute = waits
+            try:
+                return self._forward_and_sample(batch)
+            finally:
+                self._step_compute_s = time.perf_counter() - started
 
     def _forward_and_sample(self, batch: list[Sequence]) -> "Sampled":
         work = self.work(batch)

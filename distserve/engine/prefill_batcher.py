@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distserve.engine.compute_thread import ComputeThread
+from distserve.engine.core_turns import CoreTurns, NoTurns
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs, token_logprobs
 from distserve.engine.model_runner import ModelRunner, PrefillWork
@@ -128,17 +130,20 @@ class _Slice:
 class PrefillBatcher:
     def __init__(self, runner: ModelRunner, eos_ids: tuple[int, ...], max_context: int, max_batch_tokens: int,
                  wakeup: asyncio.Event | None = None, max_queued_tokens: int = 0, queue_timeout_s: float = 0.0,
-                 grammars: LazyGrammarCompiler | None = None):
+                 grammars: LazyGrammarCompiler | None = None, turns: CoreTurns | NoTurns = NoTurns()):
         """`wakeup` is set whenever a prompt arrives (pass a shared one when another loop, such as
         the colocated engine's, drives this batcher instead of `run`). `max_queued_tokens` caps the
         outstanding prompt tokens (QueueFull beyond it; 0: no cap); a prompt no forward has started on
-        within `queue_timeout_s` fails with QueueTimeout (0: no deadline)."""
+        within `queue_timeout_s` fails with QueueTimeout (0: no deadline). Each forward runs in one of
+        `turns`' turns (cores shared with other workers; see distserve.engine.core_turns)."""
         self.max_queued_tokens = max_queued_tokens
         self.queue_timeout_s = queue_timeout_s
         self._runner = runner
         self._eos_ids = eos_ids
         self._max_context = max_context
         self._grammars = grammars  # builds grammar states for constrained requests (None: refused)
+        self.turns = turns
+        self.compute = ComputeThread("prefill-forward")
         self.max_batch_tokens = max_batch_tokens
         self._waiting: list[_Pending] = []
         self._wakeup = wakeup or asyncio.Event()
@@ -214,7 +219,7 @@ class PrefillBatcher:
                 continue
             self.begin(batch)
             try:
-                results = await asyncio.to_thread(self._forward, batch)
+                results = await self.compute.run(self._forward, batch)
             except Exception as exc:  # a failed forward fails its requests, not the worker
                 self.fail(batch, exc)
                 continue
@@ -250,9 +255,10 @@ class PrefillBatcher:
 
     def _forward(self, batch: list[_Slice]) -> list[PrefillResult | Exception]:
         """Runs the batch; returns a result (or that prompt's sampling error) per finishing prompt."""
-        started, start_ns = time.monotonic(), time.time_ns()
-        logits = self._runner.prefill_chunks(self.works(batch, started, start_ns))
-        return self.finish(batch, logits)
+        with self.turns.turn():
+            started, start_ns = time.monotonic(), time.time_ns()  # a wait for the cores counts as queueing
+            logits = self._runner.prefill_chunks(self.works(batch, started, start_ns))
+            return self.finish(batch, logits)
 
     def works(self, batch: list[_Slice], started: float, start_ns: int) -> list[PrefillWork]:
         """The runner's view of a batch; a prompt's KV buffer is allocated at its first chunk."""

@@ -13,6 +13,7 @@ from distserve import redis_client
 from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
+from distserve.engine.core_turns import core_turns
 from distserve.engine.dtype import resolve_dtype
 from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
 from distserve.engine.grammars import LazyGrammarCompiler
@@ -45,7 +46,8 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGra
                                 config.reserve_ahead_tokens)
     runner = ModelRunner(model)
     runner.warm_up()
-    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, grammars=grammars)
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, grammars=grammars,
+                        turns=core_turns(config.core_turns, priority=False))
 
 
 async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:

@@ -13,6 +13,7 @@ from distserve import redis_client
 from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
+from distserve.engine.core_turns import core_turns
 from distserve.engine.dtype import resolve_dtype
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
@@ -62,7 +63,8 @@ async def serve(config: PrefillConfig) -> None:
     batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, batch_tokens,
                              max_queued_tokens=config.max_queued_tokens or 256 * batch_tokens,
                              queue_timeout_s=config.queue_timeout_s,
-                             grammars=LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids))
+                             grammars=LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids),
+                             turns=core_turns(config.core_turns, priority=True))
     held = HeldKv(config.resolved_max_held_kv_bytes)
     metrics = PrefillMetrics()
 

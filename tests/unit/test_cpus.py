@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -69,6 +70,42 @@ def test_launcher_names_each_workers_cores(monkeypatch):
     assert plan_worker_cpus(spec) == {"prefill-0": [0, 1], "decode-0": [2], "decode-1": [3]}
     shared = ClusterSpec(model="m", num_prefill=1, num_decode=1, cpus="0-3", share_cores=True)
     assert plan_worker_cpus(shared) == {"prefill-0": [0, 1, 2, 3], "decode-0": [0, 1, 2, 3]}
+
+
+def test_taking_turns_gives_prefill_every_core_and_decode_its_share(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    two = ClusterSpec(model="m", num_prefill=1, num_decode=1, cpus="0-1", take_turns=True)
+    assert plan_worker_cpus(two) == {"prefill-0": [0, 1], "decode-0": [1]}
+    four = ClusterSpec(model="m", num_prefill=1, num_decode=2, cpus="0-3", take_turns=True)
+    assert plan_worker_cpus(four) == {"prefill-0": [0, 1, 2, 3], "decode-0": [2], "decode-1": [3]}
+
+
+def test_workers_taking_turns_share_one_turns_folder_and_spin_briefly(monkeypatch, tmp_path):
+    """Prefill and decode workers get the same --core-turns folder and a short OpenMP spin; the
+    router gets neither, and without --take-turns no worker does."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    spawned = {}
+
+    def fake_spawn(self, name, argv, env=None):
+        spawned[name] = (argv, env or {})
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(Cluster, "_spawn", fake_spawn)
+    for take_turns in (True, False):
+        spawned.clear()
+        cluster = Cluster(ClusterSpec(model="m", log_dir=str(tmp_path / str(take_turns)), take_turns=take_turns))
+        for name, module in (("prefill-0", "services.prefill"), ("decode-0", "services.decode"),
+                             ("router", "services.router")):
+            cluster.start_service(name, module, "127.0.0.1:1", [], metrics_port=2)
+        folders = {name: argv[argv.index("--core-turns") + 1] for name, (argv, _) in spawned.items()
+                   if "--core-turns" in argv}
+        spins = {name: env["GOMP_SPINCOUNT"] for name, (_, env) in spawned.items() if "GOMP_SPINCOUNT" in env}
+        if take_turns:
+            assert folders == {"prefill-0": str(cluster.log_dir / "core-turns"),
+                               "decode-0": str(cluster.log_dir / "core-turns")}
+            assert spins == {"prefill-0": "10000", "decode-0": "10000"}
+        else:
+            assert folders == {} and spins == {}
 
 
 def test_launcher_defaults_to_the_cores_it_may_use():

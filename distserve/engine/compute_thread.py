@@ -1,0 +1,31 @@
+"""The one thread on which an engine runs its forwards.
+
+`asyncio.to_thread` hands each call to whichever thread of the loop's default pool is free, and
+OpenMP (torch's CPU thread pool) keeps one team of threads per calling thread: forwards spread over
+several threads start several teams, and the idle workers of one spin on the cores the next
+forward's team needs. One thread per engine keeps one team, and the step's thread-local state warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class ComputeThread:
+    """Runs blocking calls one at a time on a single thread of its own."""
+
+    def __init__(self, name: str):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """Like asyncio.to_thread (the caller's context variables go along), on this thread. Cancelling
+        the await does not stop a call already running: it finishes, and its result is dropped."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(context.run, fn, *args))
