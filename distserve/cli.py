@@ -37,8 +37,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                                                    "(default: all cores this process may use)")
     parser.add_argument("--share-cores", action="store_true", help="do not split: every worker may use all cores")
     parser.add_argument("--take-turns", action="store_true",
-                        help="do not split: prefill and decode workers share all cores and take turns computing, "
-                             "prefill first, so every forward runs on all of them (README \"Cores\")")
+                        help="prefill workers get every core, decode workers their share, and one forward runs at "
+                             "a time, prefill first: lower TTFT at light bf16 load, decode stalls while prefill is "
+                             "busy (measured trade: README, Side by side)")
     parser.add_argument("--control-cpus", default="",
                         help="cores for the router, gateway, kvbroker and Redis, e.g. the decode workers' (default: "
                              "not pinned). On 2 cores, 1+1, putting them on the decode core measured TTFT p50 "

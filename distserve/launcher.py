@@ -117,7 +117,8 @@ class ClusterSpec:
     colocated_args: list[str] = dataclasses.field(default_factory=list)
     cpus: str = ""  # cores to split among the workers, e.g. 0-3; empty: those the launcher may run on
     share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
-    # True: no split, and prefill and decode workers take turns at all of `cpus` (distserve.engine.core_turns)
+    # True: prefill workers get all of `cpus`, decode workers their split share, and one forward runs at a
+    # time, prefill first (distserve.engine.core_turns)
     take_turns: bool = False
     # Cores for the router, gateway, kvbroker and Redis, e.g. the decode workers' ("": not pinned, they
     # run wherever the OS puts them, prefill cores included). See README "Side by side" for the trade.

@@ -5,8 +5,9 @@ Two workers that run at once on the same (or SMT-sibling) cores each slow the ot
 threads waits for its slowest thread. Giving each its own core avoids that, but then a prefill
 uses half the machine while decode idles between steps, and the other way round.
 
-With turns, every worker on a node gets all the cores, and a forward (a prefill batch, a decode
-step) runs only while its worker holds the node's compute lock. A prefill waits for at most the
+With turns (`distserve up --take-turns`), prefill workers get all the node's cores and decode workers
+keep their share, and a forward (a prefill batch, a decode step) runs only while its worker holds the
+node's compute lock, so a prefill has every core to itself. A prefill waits for at most the
 decode step in progress; a decode step waits while any prefill waits or runs. Both locks are `flock`s
 on files in one directory that every worker of the node is given (`--core-turns`):
 
