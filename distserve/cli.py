@@ -38,7 +38,7 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--share-cores", action="store_true", help="do not split: every worker may use all cores")
     parser.add_argument("--take-turns", action="store_true",
                         help="prefill workers get every core, decode workers their share, and one forward runs at "
-                             "a time, prefill first: lower TTFT at light bf16 load, decode stalls while prefill is "
+                             "a time, in turn: lower TTFT at light bf16 load, decode stalls while prefill is "
                              "busy (measured trade: README, Side by side)")
     parser.add_argument("--control-cpus", default="",
                         help="cores for the router, gateway, kvbroker and Redis, e.g. the decode workers' (default: "
@@ -96,7 +96,7 @@ def _absolute_if_file(value: str) -> str:
 
 def _print_cores(cluster: Cluster) -> None:
     control = f", control plane -> {cluster.control_cpus}" if cluster.control_cpus is not None else ""
-    turns = " (prefill and decode take turns, prefill first)" if cluster.spec.take_turns else ""
+    turns = " (prefill and decode take turns)" if cluster.spec.take_turns else ""
     print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control + turns,
           flush=True)
 

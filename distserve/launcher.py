@@ -118,7 +118,7 @@ class ClusterSpec:
     cpus: str = ""  # cores to split among the workers, e.g. 0-3; empty: those the launcher may run on
     share_cores: bool = False  # True: no split, every worker may use all of `cpus` (and they contend)
     # True: prefill workers get all of `cpus`, decode workers their split share, and one forward runs at a
-    # time, prefill first (distserve.engine.core_turns)
+    # time, in turn (distserve.engine.core_turns)
     take_turns: bool = False
     # Cores for the router, gateway, kvbroker and Redis, e.g. the decode workers' ("": not pinned, they
     # run wherever the OS puts them, prefill cores included). See README "Side by side" for the trade.

@@ -47,7 +47,7 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGra
     runner = ModelRunner(model)
     runner.warm_up()
     return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, grammars=grammars,
-                        turns=core_turns(config.core_turns, priority=False))
+                        turns=core_turns(config.core_turns))
 
 
 async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:

@@ -64,7 +64,7 @@ async def serve(config: PrefillConfig) -> None:
                              max_queued_tokens=config.max_queued_tokens or 256 * batch_tokens,
                              queue_timeout_s=config.queue_timeout_s,
                              grammars=LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids),
-                             turns=core_turns(config.core_turns, priority=True))
+                             turns=core_turns(config.core_turns))
     held = HeldKv(config.resolved_max_held_kv_bytes)
     metrics = PrefillMetrics()
 

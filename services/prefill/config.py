@@ -27,7 +27,7 @@ class PrefillConfig(TlsConfig):
     device: str = setting("cpu", "torch device", env="DISTSERVE_DEVICE")
     cpus: str = setting("", "cores to pin this worker to, e.g. 0 or 2-3 (empty: all cores the process may use)")
     core_turns: str = setting("", "directory of the compute turns of the workers sharing these cores: each forward "
-                                  "waits for its turn, prefill first (empty: no turns, the cores are its own)")
+                                  "waits for its turn, turns alternate (empty: no turns, the cores are its own)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
     max_batch_tokens: int = setting(0, "saturation length: prompt tokens per packed forward; longer prompts "
