@@ -27,5 +27,5 @@ class ComputeThread:
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Like asyncio.to_thread (the caller's context variables go along), on this thread. Cancelling
         the await does not stop a call already running: it finishes, and its result is dropped."""
-        context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(context.run, fn, *args))
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)

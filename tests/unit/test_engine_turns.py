@@ -54,7 +54,8 @@ async def test_every_decode_step_runs_inside_a_turn_on_one_thread():
         return [7] * len(batch), [None] * len(batch)
 
     engine._forward_and_sample = forward_and_sample
-    seq = decode_sequence(block_table=engine.scheduler.allocator.allocate(4), max_tokens=4)  # 1 token made, 3 steps left
+    # decode_sequence holds the first token already: 3 steps left
+    seq = decode_sequence(block_table=engine.scheduler.allocator.allocate(4), max_tokens=4)
     engine.add(seq)
     loop_task = asyncio.create_task(engine.run())
     try:
