@@ -129,6 +129,11 @@ class ClusterSpec:
     state_file: str = ""  # where to keep the JSON description of the children ("": nowhere)
 
 
+def _unless_set(defaults: dict[str, str]) -> dict[str, str]:
+    """The defaults this process's environment does not set already (a user's setting wins)."""
+    return {key: value for key, value in defaults.items() if key not in os.environ}
+
+
 def plan_control_cpus(spec: ClusterSpec) -> list[int] | None:
     """The control plane's cores (spec.control_cpus), checked against this process's; None: not pinned."""
     if not spec.control_cpus:
@@ -303,10 +308,10 @@ class Cluster:
             argv += ["--cpus", format_cpu_list(cpus)]
             env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's OpenMP pool is sized at import
         if module in ("services.prefill", "services.decode", "services.colocated"):
-            env.update({k: v for k, v in WORKER_MALLOC_ENV.items() if k not in os.environ})
+            env.update(_unless_set(WORKER_MALLOC_ENV))
         if self.spec.take_turns and module in ("services.prefill", "services.decode"):
             argv += ["--core-turns", str(self.log_dir / "core-turns")]
-            env.update({k: v for k, v in TURNS_OPENMP_ENV.items() if k not in os.environ})
+            env.update(_unless_set(TURNS_OPENMP_ENV))
         argv += extra_args
         process = self._spawn(name, argv, env)
         process.address = address

@@ -40,7 +40,6 @@ class CoreTurns:
     def __init__(self, directory: str):
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        self.directory = str(path)
         self._gate = os.open(path / GATE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._compute = os.open(path / COMPUTE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
@@ -65,14 +64,9 @@ class CoreTurns:
 class NoTurns:
     """A worker with cores of its own: every turn is granted at once."""
 
-    directory = ""
-
     @staticmethod
     def turn() -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
-
-    def close(self) -> None:
-        pass
 
 
 def core_turns(directory: str) -> CoreTurns | NoTurns:

@@ -3,28 +3,31 @@ Turns are taken in real processes (spawned), as the workers take them."""
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
+import os
 import threading
 import time
 
 import pytest
 
-from distserve.engine.core_turns import CoreTurns, NoTurns, core_turns
+from distserve.engine.core_turns import GATE_FILE, CoreTurns, NoTurns, core_turns
 
 WAIT_S = 20.0  # bound on every wait, so a broken lock fails the test instead of hanging it
 
 
 def hold_turn(directory: str, again: bool, name: str, entered, release, order) -> None:
-    """A worker: waits for its turn, records `name` in `order`, holds the turn until `release` is set;
-    with `again`, asks for a second turn at once and records `name`-again in it."""
+    """A worker: waits for its turn, records (time entered, `name`) in `order`, holds the turn until
+    `release` is set; with `again`, asks for a second turn at once and records `name`-again in it.
+    (CLOCK_MONOTONIC is one clock for all processes; a queue's arrival order need not be put order.)"""
     turns = CoreTurns(directory)
     with turns.turn():
-        order.put(name)
+        order.put((time.monotonic(), name))
         entered.set()
         release.wait(WAIT_S)
     if again:
         with turns.turn():
-            order.put(f"{name}-again")
+            order.put((time.monotonic(), f"{name}-again"))
 
 
 @pytest.fixture
@@ -43,6 +46,18 @@ def spawn():
     for process in started:
         process.kill()
         process.join(WAIT_S)
+
+
+def gate_is_held(directory) -> bool:
+    """Whether some worker holds the gate, i.e. waits for the compute lock (a turn in progress holds only that)."""
+    fd = os.open(os.path.join(directory, GATE_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing the file releases the probe's own lock, if it took it
+    return False
 
 
 def wait_until(predicate, what: str) -> None:
@@ -81,13 +96,14 @@ def test_turns_alternate_the_worker_computing_now_goes_after_the_one_waiting(tmp
     _, prefill_entered, prefill_release = start(tmp_path, True, "prefill", order)
     assert prefill_entered.wait(WAIT_S)
     _, step_entered, step_release = start(tmp_path, False, "decode-step", order)
-    time.sleep(0.5)  # the decode step now waits for the compute lock, holding the gate
+    wait_until(lambda: gate_is_held(tmp_path), "the decode step to wait at the compute lock, holding the gate")
     assert not step_entered.is_set()
 
     prefill_release.set()  # the prefill ends its turn and asks for the next one at once
     assert step_entered.wait(WAIT_S)
     step_release.set()
-    assert [order.get(timeout=WAIT_S) for _ in range(3)] == ["prefill", "decode-step", "prefill-again"]
+    entries = sorted(order.get(timeout=WAIT_S) for _ in range(3))
+    assert [name for _, name in entries] == ["prefill", "decode-step", "prefill-again"]
 
 
 def test_a_killed_holder_frees_the_cores(tmp_path, spawn):
@@ -105,8 +121,10 @@ def test_a_killed_holder_frees_the_cores(tmp_path, spawn):
         with mine.turn():
             got_turn.set()
 
-    threading.Thread(target=take, daemon=True).start()
+    taker = threading.Thread(target=take, daemon=True)
+    taker.start()
     assert got_turn.wait(WAIT_S)
+    taker.join(WAIT_S)  # out of its turn before the files close
     mine.close()
 
 
