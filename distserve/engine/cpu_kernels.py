@@ -7,10 +7,14 @@ When it cannot be built (no compiler), or DISTSERVE_CPU_KERNELS=0, callers use t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -24,7 +28,14 @@ _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "skinny_matmul.cpp"
 # 256, medians of 5 interleaved runs): batch 8 / 32 / 64 11.9 / 24.0 / 33.0 -> 9.0 / 18.1 / 24.3 ms.
 # The OpenMP runtime the kernels link (libgomp.so.1) is the one torch loaded before them, so they
 # share torch's thread pool and its thread count.
-OPENMP_FLAGS = ["-fopenmp"]
+OPENMP_FLAGS = ("-fopenmp",)
+# Tuples: torch's loader appends its own flags to the lists it is given, in place.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", *OPENMP_FLAGS)
+# Longest a worker waits for another process's build of the same kernels (a cold build takes 1-3 min
+# on 2 cores) before it gives up and starts on the torch path.
+BUILD_WAIT_S = 900.0
+TORCH_BATON = "lock"  # the file torch's loader creates (O_EXCL) while it builds, and removes after
+BUILD_FLOCK = "distserve-build.flock"
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -64,7 +75,7 @@ def bf16_cpu_kernels(like, name: str):
     return cpu_kernels_with(like, name) if like.dtype == torch.bfloat16 else None
 
 
-def _build_name(flags: list[str]) -> str:
+def _build_name(flags) -> str:
     """The extension's name, with a digest of every source, header and flag in it. torch's loader
     keeps one build per name and rebuilds when a source or flag changes, but not a header; and two
     checkouts sharing the build cache would take turns rebuilding it (a restarted worker of one once
@@ -73,6 +84,52 @@ def _build_name(flags: list[str]) -> str:
     for path in sorted([*_SOURCES, *_CSRC.glob("*.h")]):
         digest.update(path.name.encode() + path.read_bytes())
     return f"distserve_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where the build named `name` lives: $TORCH_EXTENSIONS_DIR/name, else torch's default root,
+    per Python version (the .so links one libpython ABI)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    return Path(root) / name
+
+
+def kernels_build_directory() -> Path:
+    """The folder of this checkout's kernel build (sources and flags as they are now)."""
+    return build_directory(_build_name(COMPILE_FLAGS))
+
+
+@contextlib.contextmanager
+def build_guard(directory: Path, wait_s: float = BUILD_WAIT_S):
+    """Hold the build of `directory` for this process: one builder at a time, and no stale lock.
+
+    torch's loader serialises builders with a file it creates with O_EXCL and removes when done; a
+    builder killed mid-build leaves it, and every later load waits on it forever (a worker killed while
+    it started once left every later start hanging). Here each builder first takes an flock, which dies
+    with its process; whoever holds it is the only builder of this name, so a torch lock file found
+    then is a dead builder's and is removed. Raises TimeoutError after `wait_s` of another live build."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / BUILD_FLOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process has been building {directory} for {wait_s:.0f} s")
+                time.sleep(0.2)
+        stale = directory / TORCH_BATON
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def cpu_kernels():
@@ -90,9 +147,11 @@ def cpu_kernels():
                 import torch
                 from torch.utils.cpp_extension import load
 
-                flags = ["-O3", "-march=native", "-ffast-math", *OPENMP_FLAGS]
-                load(name=_build_name(flags), sources=[str(p) for p in _SOURCES], is_python_module=False,
-                     extra_cflags=flags, extra_ldflags=OPENMP_FLAGS, verbose=False)
+                directory = kernels_build_directory()
+                with build_guard(directory):
+                    load(name=directory.name, sources=[str(p) for p in _SOURCES], is_python_module=False,
+                         extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(OPENMP_FLAGS),
+                         build_directory=str(directory), verbose=False)
                 _module = torch.ops.distserve
             except Exception as exc:  # no compiler or ninja: the torch path still works, only slower
                 log.warning("CPU kernels unavailable, using torch attention: %s", exc)
