@@ -4,6 +4,10 @@ A prefill and a decode worker on one machine each default to a torch thread
 pool as wide as the machine, so their matmuls preempt each other. `distserve up`
 gives each worker its own cores (`split_cores`), passes them as `--cpus`, and
 each worker pins itself at start (`apply_cpus`), before torch does parallel work.
+
+A worker may run its serving threads (event loop, gRPC, KV transfers) on other cores than its
+forwards (`serving_cpus`): the forward thread pins itself to the worker's cores as it starts
+(`pin_compute_thread`), and the OpenMP team it starts inherits them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import os
 from distserve.config import ConfigError
 
 log = logging.getLogger(__name__)
+
+_compute_cpus: list[int] | None = None  # where forwards run, when serving threads run elsewhere
 
 
 def parse_cpu_list(text: str, field: str = "cpus") -> list[int]:
@@ -79,18 +85,7 @@ def pin_process(cpus: list[int]) -> None:
     """
     import torch  # here, so that planning cores (the launcher) does not load torch
 
-    allowed = sorted(os.sched_getaffinity(0))
-    for thread_id in _thread_ids():
-        try:
-            os.sched_setaffinity(thread_id, cpus)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-        except OSError as exc:
-            raise ConfigError(f"cpus: cannot pin to cores {cpus} (this process may use {allowed}): {exc}") from exc
-    # The kernel silently drops cores outside the cgroup's cpuset; asking for them is a mistake.
-    pinned = sorted(os.sched_getaffinity(0))
-    if set(pinned) != set(cpus):
-        raise ConfigError(f"cpus: cores {sorted(set(cpus) - set(pinned))} are not available (got {pinned})")
+    pinned = _pin_threads(cpus, "cpus")
     torch.set_num_threads(len(pinned))
     try:
         torch.set_num_interop_threads(1)  # inference runs one graph at a time
@@ -98,11 +93,33 @@ def pin_process(cpus: list[int]) -> None:
         pass
 
 
-def apply_cpus(text: str) -> list[int]:
+def _pin_threads(cpus: list[int], field: str) -> list[int]:
+    """Pins every thread of this process to `cpus`; returns the cores it got. Raises ConfigError naming
+    `field` when any of the cores is not one this process may run on."""
+    allowed = sorted(os.sched_getaffinity(0))
+    for thread_id in _thread_ids():
+        try:
+            os.sched_setaffinity(thread_id, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            raise ConfigError(f"{field}: cannot pin to cores {cpus} (this process may use {allowed}): {exc}") from exc
+    # The kernel silently drops cores outside the cgroup's cpuset; asking for them is a mistake.
+    pinned = sorted(os.sched_getaffinity(0))
+    if set(pinned) != set(cpus):
+        raise ConfigError(f"{field}: cores {sorted(set(cpus) - set(pinned))} are not available (got {pinned})")
+    return pinned
+
+
+def apply_cpus(text: str, serving_text: str = "") -> list[int]:
     """A worker's start-up step: pins to the cores in `text` (a --cpus value), or with "" stays on the
-    current affinity mask; either way torch gets one thread per core. Returns the cores."""
+    current affinity mask; either way torch gets one thread per core. Returns the cores.
+
+    With `serving_text` (a --serving-cpus value) the threads running now, and those they start later,
+    move to those cores; forwards stay on `text`'s (see pin_compute_thread)."""
     import torch
 
+    global _compute_cpus
     if text:
         cpus = parse_cpu_list(text)
         pin_process(cpus)
@@ -111,7 +128,18 @@ def apply_cpus(text: str) -> list[int]:
         cpus = sorted(os.sched_getaffinity(0))
         torch.set_num_threads(len(cpus))
         log.info("not pinned: cores %s, torch threads %d", cpus, torch.get_num_threads())
+    if serving_text:
+        serving = _pin_threads(parse_cpu_list(serving_text, "serving_cpus"), "serving_cpus")
+        _compute_cpus = cpus
+        log.info("serving threads on cores %s, forwards on %s", serving, cpus)
     return cpus
+
+
+def pin_compute_thread() -> None:
+    """Run on a forward thread as it starts: back on the worker's cores when its serving threads run
+    elsewhere (apply_cpus with serving cores); otherwise it already is."""
+    if _compute_cpus is not None:
+        os.sched_setaffinity(0, _compute_cpus)
 
 
 def _thread_ids() -> list[int]:

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("colocated")
     init_tracing("distserve-colocated")
     config = parse_config(ColocatedConfig, argv, prefix="DISTSERVE_COLOCATED_")
-    apply_cpus(config.cpus)  # before torch does parallel work
+    apply_cpus(config.cpus, config.serving_cpus)  # before torch does parallel work
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
     asyncio.run(serve(config))
 

@@ -24,6 +24,8 @@ class ColocatedConfig(TlsConfig):
                          "else float32", env="DISTSERVE_DTYPE")
     device: str = setting("cpu", "torch device", env="DISTSERVE_DEVICE")
     cpus: str = setting("", "cores to pin this worker to, e.g. 0 or 2-3 (empty: all cores the process may use)")
+    serving_cpus: str = setting("", "cores for the serving threads (event loop, gRPC, KV transfers), e.g. 0-1; "
+                                    "forwards stay on cpus (empty: the same cores as cpus)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     max_batch_tokens: int = setting(0, "token budget of one step: decoding sequences (one row each) plus prompt "
                                        "chunks (0: auto, the engine's measured saturation length for the device)")
@@ -43,6 +45,8 @@ class ColocatedConfig(TlsConfig):
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.cpus:
             parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
+        if self.serving_cpus:
+            parse_cpu_list(self.serving_cpus, "serving_cpus")
         require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
         require(self.max_waiting_for_blocks >= 0, "max_waiting_for_blocks", "must be >= 0 (0: no bound)")
         require(self.block_size > 0, "block_size", "must be > 0")

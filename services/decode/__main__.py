@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("decode")
     init_tracing("distserve-decode")
     config = parse_config(DecodeConfig, argv, prefix="DISTSERVE_DECODE_")
-    apply_cpus(config.cpus)  # before torch does parallel work
+    apply_cpus(config.cpus, config.serving_cpus)  # before torch does parallel work
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
     asyncio.run(serve(config))
 

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("prefill")
     init_tracing("distserve-prefill")
     config = parse_config(PrefillConfig, argv, prefix="DISTSERVE_PREFILL_")
-    apply_cpus(config.cpus)  # before torch does parallel work
+    apply_cpus(config.cpus, config.serving_cpus)  # before torch does parallel work
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
     asyncio.run(serve(config))
 

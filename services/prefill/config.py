@@ -26,6 +26,8 @@ class PrefillConfig(TlsConfig):
                          "else float32", env="DISTSERVE_DTYPE")
     device: str = setting("cpu", "torch device", env="DISTSERVE_DEVICE")
     cpus: str = setting("", "cores to pin this worker to, e.g. 0 or 2-3 (empty: all cores the process may use)")
+    serving_cpus: str = setting("", "cores for the serving threads (event loop, gRPC, KV transfers), e.g. 0-1; "
+                                    "forwards stay on cpus (empty: the same cores as cpus)")
     core_turns: str = setting("", "directory of the compute turns of the workers sharing these cores: each forward "
                                   "waits for its turn, turns alternate (empty: no turns, the cores are its own)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
@@ -50,6 +52,8 @@ class PrefillConfig(TlsConfig):
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.cpus:
             parse_cpu_list(self.cpus)  # raises ConfigError naming cpus
+        if self.serving_cpus:
+            parse_cpu_list(self.serving_cpus, "serving_cpus")
         require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
         require(self.max_queued_tokens >= 0, "max_queued_tokens", "must be >= 0 (0: auto)")
         require(self.queue_timeout_s > 0, "queue_timeout_s", "must be > 0")

@@ -5,14 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import types
 
 import pytest
 import torch
 
+from distserve import cpus as cpus_module
 from distserve.config import ConfigError, parse_config
 from distserve.cpus import apply_cpus, format_cpu_list, parse_cpu_list, pin_process, split_cores
+from distserve.engine.compute_thread import ComputeThread
 from distserve.launcher import Cluster, ClusterSpec, plan_control_cpus, plan_worker_cpus
+from services.colocated.config import ColocatedConfig
 from services.decode.config import DecodeConfig
 from services.prefill.config import PrefillConfig
 
@@ -193,6 +197,41 @@ def test_apply_cpus_pins_and_logs(restore_affinity_and_threads, caplog):
         assert apply_cpus(str(core)) == [core]
     assert os.sched_getaffinity(0) == {core}
     assert f"pinned to cores [{core}], torch threads 1" in caplog.text
+
+
+def _os_thread_name() -> str:
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
+        return comm.read().strip()
+
+
+async def test_serving_threads_move_and_forwards_stay_on_the_workers_cores(restore_affinity_and_threads,
+                                                                           monkeypatch):
+    monkeypatch.setattr(cpus_module, "_compute_cpus", None)  # process-wide: restored after the test
+    allowed = sorted(os.sched_getaffinity(0))
+    assert len(allowed) >= 2, f"needs two cores, has {allowed}"
+    forwards = allowed[0]
+    assert apply_cpus(str(forwards), format_cpu_list(allowed)) == [forwards]
+    for thread_id in os.listdir("/proc/self/task"):  # every thread there is now serves, on every core
+        assert sorted(os.sched_getaffinity(int(thread_id))) == allowed
+    assert torch.get_num_threads() == 1  # one OpenMP thread per forward core
+    compute = ComputeThread("test-forward")
+    assert await compute.run(os.sched_getaffinity, 0) == {forwards}
+    assert await compute.run(_os_thread_name) == "test-forward"  # visible to ps / top
+
+
+async def test_without_serving_cores_forwards_run_where_the_worker_is_pinned(restore_affinity_and_threads,
+                                                                            monkeypatch):
+    monkeypatch.setattr(cpus_module, "_compute_cpus", None)
+    core = max(os.sched_getaffinity(0))
+    apply_cpus(str(core))
+    assert await ComputeThread("test-forward").run(os.sched_getaffinity, 0) == {core}
+
+
+@pytest.mark.parametrize("cls", [PrefillConfig, DecodeConfig, ColocatedConfig])
+def test_worker_config_rejects_bad_serving_cpus_naming_the_field(cls):
+    for bad in ("x", "2-1"):
+        with pytest.raises(ConfigError, match=r"^serving_cpus: "):
+            cls(serving_cpus=bad)
 
 
 # --- worker configs ----------------------------------------------------------------
