@@ -25,6 +25,13 @@ def rows(folder: Path) -> list[tuple[str, str, str, dict]]:
     return sorted(found, key=lambda r: (r[0], r[1], r[2] != "vllm"))
 
 
+def _median(values: list) -> float | int:
+    """The median; of counts (ints), the lower middle one, so that a count stays a count."""
+    if all(isinstance(v, int) for v in values):
+        return statistics.median_low(values)
+    return statistics.median(values)
+
+
 def median_rows(rounds: list[Path]) -> list[tuple[str, str, str, dict]]:
     """One row per (dtype, rate, system) found in every round: each metric's median over the rounds."""
     by_key: dict[tuple[str, str, str], list[dict]] = {}
@@ -34,7 +41,7 @@ def median_rows(rounds: list[Path]) -> list[tuple[str, str, str, dict]]:
     merged = []
     for key, results in by_key.items():
         if len(results) == len(rounds):
-            merged.append((*key, {c: statistics.median(r[c] for r in results) for c in COLUMNS
+            merged.append((*key, {c: _median([r[c] for r in results]) for c in COLUMNS
                                   if all(r.get(c) is not None for r in results)}))
     return sorted(merged, key=lambda r: (r[0], r[1], r[2] != "vllm"))
 
