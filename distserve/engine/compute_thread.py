@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import ctypes
-import ctypes.util
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ _PR_SET_NAME = 15
 def _name_os_thread(name: str) -> None:
     """Names the calling thread for the OS (at most 15 bytes); Python's thread names stay in Python."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = ctypes.CDLL(None)  # the symbols already loaded (libc's): no library lookup
         libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the name is cosmetic
         pass

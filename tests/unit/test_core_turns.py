@@ -3,6 +3,7 @@ Turns are taken in real processes (spawned), as the workers take them."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import multiprocessing
 import os
@@ -67,14 +68,12 @@ def wait_until(predicate, what: str) -> None:
         time.sleep(0.01)
 
 
-def test_a_turn_waits_until_the_holder_ends_its_turn(tmp_path, spawn):
-    start, context = spawn
-    order = context.Queue()
-    _, entered, release = start(tmp_path, False, "decode", order)
-    assert entered.wait(WAIT_S)
-
+@contextlib.contextmanager
+def turn_taker(directory):
+    """A thread of this process asking for a turn; yields an event set once it has had one. On exit the
+    thread is joined (out of its turn) before the turn files close."""
     got_turn = threading.Event()
-    mine = CoreTurns(str(tmp_path))
+    mine = CoreTurns(str(directory))
 
     def take() -> None:
         with mine.turn():
@@ -82,11 +81,23 @@ def test_a_turn_waits_until_the_holder_ends_its_turn(tmp_path, spawn):
 
     taker = threading.Thread(target=take, daemon=True)
     taker.start()
-    assert not got_turn.wait(0.5)  # the other process computes: no turn for us meanwhile
-    release.set()
-    assert got_turn.wait(WAIT_S)
-    taker.join(WAIT_S)
-    mine.close()
+    try:
+        yield got_turn
+    finally:
+        taker.join(WAIT_S)
+        mine.close()
+
+
+def test_a_turn_waits_until_the_holder_ends_its_turn(tmp_path, spawn):
+    start, context = spawn
+    order = context.Queue()
+    _, entered, release = start(tmp_path, False, "decode", order)
+    assert entered.wait(WAIT_S)
+
+    with turn_taker(tmp_path) as got_turn:
+        assert not got_turn.wait(0.5)  # the other process computes: no turn for us meanwhile
+        release.set()
+        assert got_turn.wait(WAIT_S)
 
 
 def test_turns_alternate_the_worker_computing_now_goes_after_the_one_waiting(tmp_path, spawn):
@@ -114,18 +125,8 @@ def test_a_killed_holder_frees_the_cores(tmp_path, spawn):
     holder.kill()
     holder.join(WAIT_S)
 
-    got_turn = threading.Event()
-    mine = CoreTurns(str(tmp_path))
-
-    def take() -> None:
-        with mine.turn():
-            got_turn.set()
-
-    taker = threading.Thread(target=take, daemon=True)
-    taker.start()
-    assert got_turn.wait(WAIT_S)
-    taker.join(WAIT_S)  # out of its turn before the files close
-    mine.close()
+    with turn_taker(tmp_path) as got_turn:
+        assert got_turn.wait(WAIT_S)
 
 
 def test_a_turn_is_released_when_the_work_in_it_raises(tmp_path):
