@@ -173,7 +173,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     await context.abort(grpc.StatusCode.ABORTED, str(exc))
             for seq in seqs:
                 self._record_finish(seq, seq.finish_reason)
-            await asyncio.wait([release])  # long done; keeps the broker's span inside this one
+            # Long done as a rule; keeps the broker's span inside this one. Bounded: with the broker down
+            # the release goes on retrying in the background, and the stream ends without it.
+            await asyncio.wait([release], timeout=self._config.rpc_timeout_s)
         finally:
             if owns_handle:  # claimed here but not received: nobody else will pull it
                 self._broker.release_soon(request.kv_handle_id, "cancelled", rid)
