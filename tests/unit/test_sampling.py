@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
 
 import pytest
 import torch
@@ -322,3 +323,157 @@ def test_a_row_with_non_finite_probabilities_fails_alone():
     assert all(isinstance(t, int) for t in (tokens[0], tokens[2]))
     with pytest.raises(ValueError, match="not finite"):
         sample_token(logits[1], SamplingParams(seed=1), 0, [])
+
+
+# --- the draw: two-level inverse CDF over unnormalised weights ----------------------
+
+
+def reference_draw(weights: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """The straightforward draw: a full float64 running sum per row, the first entry above u * total."""
+    cdf = weights.double().cumsum(-1)  # [S, V]
+    targets = torch.tensor(uniforms, dtype=torch.float64)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets, right=True)[:, 0].tolist()
+
+
+def draw(weights: torch.Tensor, uniforms: list[float]) -> list[int | Exception]:
+    """sampling's two-level draw over weights [S, V]."""
+    return sampling._draw(weights, sampling._block_sums(weights), uniforms)
+
+
+def random_weights(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Weights [rows, vocab] as sample_tokens makes them: exp(logits / t - max), with a mix of row shapes:
+    broad, peaked (many weights underflow to 0), a share of tokens at -inf, and a one-hot row."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([1.0, 3.0, 30.0, 3.0])[torch.arange(rows) % 4][:, None]
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    masked = torch.rand(rows, vocab, generator=gen) < 0.3
+    masked[:, 0] = False  # every row keeps a finite token
+    logits = torch.where(masked & (torch.arange(rows)[:, None] % 4 == 3), float("-inf"), logits)
+    logits[-1] = float("-inf")
+    logits[-1, (vocab * 2) // 3] = 0.5  # a one-hot row
+    temperatures = torch.rand(rows, 1, generator=gen) + 0.3
+    weights, block_sums = sampling._weights(logits / temperatures)
+    assert torch.equal(block_sums, sampling._block_sums(weights))  # a few rows at a time or all: the same
+    return weights
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 3, 255, 256, 257, 700, 1000, 32000])
+def test_the_draw_matches_a_full_float64_cumsum(vocab):
+    rows = 8 if vocab == 32000 else 24
+    weights = random_weights(rows, vocab, seed=vocab)
+    for seed in range(40 if vocab < 32000 else 10):
+        uniforms = [sampling._uniform(seed, index) for index in range(rows)]
+        uniforms[0], uniforms[1] = 0.0, 1.0 - 2.0**-53  # both ends of the range
+        drawn = draw(weights, uniforms)
+        assert drawn == reference_draw(weights, uniforms), (vocab, seed)
+        assert all(weights[s, token] > 0 for s, token in enumerate(drawn))
+
+
+def test_targets_on_running_sum_boundaries_skip_zero_weight_tokens():
+    # integer weights: every running sum is exact, so targets land exactly on block and token boundaries
+    tokens = torch.arange(600)
+    weights = ((tokens % 7 != 0) & (tokens < 590) & ((tokens < 250) | (tokens >= 256))).float()[None]  # [1, 600]
+    total = int(weights.sum())
+    for j in range(total):
+        uniform = j / total
+        (token,) = draw(weights, [uniform])
+        assert weights[0, token] > 0, (j, token)
+        assert token == reference_draw(weights, [uniform])[0]
+    assert draw(weights, [1.0 - 2.0**-53]) == [589]  # the last token of weight > 0
+
+
+def test_a_block_sum_rounding_above_the_blocks_own_running_sum_draws_inside_the_block():
+    # In float64, 1 + 2**-54 rounds back to 1, so the second block's running sum stays at 1.0, while its
+    # block sum, adding the small weights together first, comes out above 1: a target near the top lands
+    # past the block's last rise and must still take a token of positive weight.
+    weights = torch.zeros(1, 512)
+    weights[0, 256] = 1.0
+    weights[0, 257:457] = 2.0**-54
+    if sampling._block_sums(weights)[0, 1] <= weights[0, 256:].double().cumsum(-1)[-1]:
+        pytest.skip("this torch sums a block in order, so the two sums agree")
+    assert draw(weights, [1.0 - 2.0**-53]) == [256]
+
+
+def test_a_one_hot_row_always_draws_its_token():
+    for vocab in (1, 3, 300, 32000):
+        logits = torch.full((vocab,), float("-inf"))
+        logits[vocab - 1] = 7.0
+        assert draws(logits, SamplingParams(temperature=0.9, seed=21), n=50) == {vocab - 1}
+
+
+def test_a_row_of_only_minus_inf_fails_alone():
+    logits = torch.zeros(2, 300)
+    logits[0] = float("-inf")
+    tokens = sampling.sample_tokens(logits, [SampleRow(SamplingParams(seed=1), 0)] * 2)
+    assert isinstance(tokens[0], ValueError) and isinstance(tokens[1], int)
+
+
+@pytest.mark.parametrize("vocab", [1003, 32000])
+def test_a_row_draws_the_same_token_alone_and_anywhere_in_a_batch(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    others = torch.randn(5, vocab, generator=gen) * 4
+    other_rows = [SampleRow(SamplingParams(temperature=t, seed=s), s) for t, s in
+                  ((0.5, 1), (1.0, 2), (0.0, 3), (1.7, 4), (0.9, 5))]
+    for seed in range(3):
+        row = torch.randn(vocab, generator=gen) * 3
+        params = SamplingParams(temperature=0.8, seed=seed)
+        alone = [sample_token(row, params, index, []) for index in range(6)]
+        for position in (0, 2, 5):
+            logits = torch.cat([others[:position], row[None], others[position:]])
+            in_batch = [sampling.sample_tokens(logits, other_rows[:position] + [SampleRow(params, index)]
+                                               + other_rows[position:])[position] for index in range(6)]
+            assert in_batch == alone, (seed, position)
+
+
+def chi_square(counts: collections.Counter, probs: list[float], num_draws: int) -> float:
+    return sum((counts[k] - num_draws * p) ** 2 / (num_draws * p) for k, p in enumerate(probs) if p > 0)
+
+
+def draw_many(logits: torch.Tensor, params: SamplingParams, num_draws: int, chunk: int = 2000) -> collections.Counter:
+    """num_draws tokens of one row (indices 0..num_draws-1), drawn in batches of identical rows."""
+    counts: collections.Counter = collections.Counter()
+    for start in range(0, num_draws, chunk):
+        size = min(chunk, num_draws - start)
+        rows = [SampleRow(params, index) for index in range(start, start + size)]
+        counts.update(sampling.sample_tokens(logits.expand(size, -1), rows))
+    return counts
+
+
+def test_draws_pass_a_chi_square_test_on_a_small_vocabulary():
+    probs = [0.3, 0.0, 0.2, 0.15, 0.1, 0.1, 0.05, 0.0, 0.06, 0.04]
+    logits = torch.tensor(probs).log()  # log 0 = -inf
+    counts = draw_many(logits, SamplingParams(seed=31), 20000)
+    assert counts[1] == counts[7] == 0
+    dof = sum(p > 0 for p in probs) - 1
+    assert chi_square(counts, probs, 20000) < dof + 10 * math.sqrt(2 * dof)  # a fair draw: p < 1e-6
+
+
+def test_draws_pass_a_chi_square_test_across_blocks():
+    # 700 tokens: blocks of 256, 256 and 188; the mass is tested per 50-token group, so the block edges count
+    gen = torch.Generator().manual_seed(32)
+    logits = torch.randn(700, generator=gen)
+    token_probs = torch.softmax(logits.double() / 0.7, -1)
+    group_probs = token_probs.view(14, 50).sum(-1).tolist()
+    tokens = draw_many(logits, SamplingParams(temperature=0.7, seed=33), 20000)
+    counts = collections.Counter({group: 0 for group in range(14)})
+    for token, count in tokens.items():
+        counts[token // 50] += count
+    dof = 13
+    assert chi_square(counts, group_probs, 20000) < dof + 10 * math.sqrt(2 * dof)  # a fair draw: p < 1e-6
+
+
+def test_uniforms_are_pure_53_bit_fractions_below_one():
+    values = [sampling._uniform(seed, index) for seed in (0, 1, 2**63, 2**64 - 1, -5) for index in range(200)]
+    assert values == [sampling._uniform(seed, index) for seed in (0, 1, 2**63, 2**64 - 1, -5) for index in range(200)]
+    assert all(0.0 <= u < 1.0 and (u * 2**53).is_integer() for u in values)
+    assert len(set(values)) == len(values)
+    assert abs(statistics.fmean(values) - 0.5) < 0.05
+
+
+def test_the_largest_uniform_times_a_total_stays_below_the_total():
+    largest = 1.0 - 2.0**-53
+    gen = torch.Generator().manual_seed(34)
+    totals = (1 + torch.rand(20000, generator=gen, dtype=torch.float64) * 32000).tolist()
+    totals += [2.0**e for e in range(16)] + [math.nextafter(2.0**e, 0) for e in range(1, 16)]
+    totals += [math.nextafter(2.0**e, math.inf) for e in range(16)]
+    assert all(largest * total < total for total in totals)
