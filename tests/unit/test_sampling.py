@@ -384,14 +384,15 @@ def test_targets_on_running_sum_boundaries_skip_zero_weight_tokens():
 
 def test_a_block_sum_rounding_above_the_blocks_own_running_sum_draws_inside_the_block():
     # In float64, 1 + 2**-54 rounds back to 1, so the second block's running sum stays at 1.0, while its
-    # block sum, adding the small weights together first, comes out above 1: a target near the top lands
-    # past the block's last rise and must still take a token of positive weight.
+    # block sum, adding the small weights together first, comes out above 1 (whether torch's sum does
+    # depends on its summation order, so the block sums are given here as a pairwise sum makes them): a
+    # target near the top lands past the block's last rise and must still take a token of positive weight.
     weights = torch.zeros(1, 512)
     weights[0, 256] = 1.0
     weights[0, 257:457] = 2.0**-54
-    if sampling._block_sums(weights)[0, 1] <= weights[0, 256:].double().cumsum(-1)[-1]:
-        pytest.skip("this torch sums a block in order, so the two sums agree")
-    assert draw(weights, [1.0 - 2.0**-53]) == [256]
+    block_sums = torch.tensor([[0.0, 1.0 + 200 * 2.0**-54]], dtype=torch.float64)
+    assert block_sums[0, 1] > weights[0, 256:].double().cumsum(-1)[-1]  # the case this test is about
+    assert sampling._draw(weights, block_sums, [1.0 - 2.0**-53]) == [256]
 
 
 def test_a_one_hot_row_always_draws_its_token():
