@@ -120,8 +120,9 @@ class ClusterSpec:
     # True: prefill workers get all of `cpus`, decode workers their split share, and one forward runs at a
     # time, in turn (distserve.engine.core_turns)
     take_turns: bool = False
-    # Cores for the router, gateway, kvbroker and Redis, e.g. the decode workers' ("": not pinned, they
-    # run wherever the OS puts them, prefill cores included). See README "Side by side" for the trade.
+    # Cores for the router, gateway, kvbroker and Redis: a core list, "auto" (spare cores, else the decode
+    # workers': plan_control_cpus; `distserve up`'s default) or ""/"any" (not pinned: they run wherever the
+    # OS puts them, prefill cores included). See README "Cores" for the measured trade.
     control_cpus: str = ""
     tls: TlsConfig = PLAINTEXT  # mutual TLS for every gRPC service, and for the launcher's health checks
     supervise: bool = False  # True: restart any child that dies (see distserve.supervisor)
@@ -135,14 +136,30 @@ def _unless_set(defaults: dict[str, str]) -> dict[str, str]:
 
 
 def plan_control_cpus(spec: ClusterSpec) -> list[int] | None:
-    """The control plane's cores (spec.control_cpus), checked against this process's; None: not pinned."""
-    if not spec.control_cpus:
+    """The control plane's cores (spec.control_cpus), checked against this process's; None: not pinned.
+
+    "auto": the cores this process may use that no worker was given, if any; else the decode workers'
+    (a prompt's TTFT is its prefill's time on its cores, while decode batches absorb the interruptions:
+    README "Cores"); else (colocated workers only) not pinned. "" or "any": not pinned."""
+    if spec.control_cpus in ("", "any"):
         return None
+    if spec.control_cpus == "auto":
+        return _auto_control_cpus(spec)
     cpus, allowed = parse_cpu_list(spec.control_cpus, "control_cpus"), os.sched_getaffinity(0)
     if not set(cpus) <= allowed:
         raise ConfigError(f"control_cpus: cores {sorted(set(cpus) - allowed)} are not available "
                           f"(this process may use {sorted(allowed)})")
     return cpus
+
+
+def _auto_control_cpus(spec: ClusterSpec) -> list[int] | None:
+    workers = plan_worker_cpus(spec)
+    taken = {cpu for cpus in workers.values() for cpu in cpus}
+    spare = sorted(os.sched_getaffinity(0) - taken)
+    if spare:
+        return spare
+    decode = sorted({cpu for name, cpus in workers.items() if name.startswith("decode-") for cpu in cpus})
+    return decode or None
 
 
 def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:

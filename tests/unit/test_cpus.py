@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -149,6 +150,25 @@ def test_control_cpus_default_to_unpinned_and_must_exist():
         plan_control_cpus(ClusterSpec(model="m", control_cpus=str(missing)))
     with pytest.raises(ConfigError, match=r"^control_cpus: "):
         plan_control_cpus(ClusterSpec(model="m", control_cpus="one"))
+
+
+def test_auto_control_cpus_take_spare_cores_else_the_decode_workers(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert plan_control_cpus(ClusterSpec(model="m", control_cpus="auto")) == [2, 3]  # 1+1: [[0, 1], [2, 3]]
+    assert plan_control_cpus(ClusterSpec(model="m", num_prefill=2, num_decode=2, control_cpus="auto")) == [2, 3]
+    assert plan_control_cpus(ClusterSpec(model="m", cpus="0-2", control_cpus="auto")) == [3]  # core 3 is spare
+    only_colocated = ClusterSpec(model="m", num_prefill=0, num_decode=0, num_colocated=1, control_cpus="auto")
+    assert plan_control_cpus(only_colocated) is None
+    assert plan_control_cpus(ClusterSpec(model="m", control_cpus="any")) is None
+
+
+def test_up_pins_the_control_plane_automatically_unless_told_otherwise(tiny_model_path):
+    from distserve import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_cluster_args(parser)
+    assert cli._spec(parser.parse_args(["--model", tiny_model_path])).control_cpus == "auto"
+    assert cli._spec(parser.parse_args(["--model", tiny_model_path, "--control-cpus", "any"])).control_cpus == "any"
 
 
 @pytest.fixture
