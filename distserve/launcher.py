@@ -135,16 +135,17 @@ def _unless_set(defaults: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in defaults.items() if key not in os.environ}
 
 
-def plan_control_cpus(spec: ClusterSpec) -> list[int] | None:
+def plan_control_cpus(spec: ClusterSpec, worker_cpus: dict[str, list[int]] | None = None) -> list[int] | None:
     """The control plane's cores (spec.control_cpus), checked against this process's; None: not pinned.
 
     "auto": the cores this process may use that no worker was given, if any; else the decode workers'
     (a prompt's TTFT is its prefill's time on its cores, while decode batches absorb the interruptions:
-    README "Cores"); else (colocated workers only) not pinned. "" or "any": not pinned."""
+    README "Cores"); else (colocated workers only) not pinned. "" or "any": not pinned. `worker_cpus`:
+    plan_worker_cpus(spec), when the caller has it already."""
     if spec.control_cpus in ("", "any"):
         return None
     if spec.control_cpus == "auto":
-        return _auto_control_cpus(spec)
+        return _auto_control_cpus(worker_cpus if worker_cpus is not None else plan_worker_cpus(spec))
     cpus, allowed = parse_cpu_list(spec.control_cpus, "control_cpus"), os.sched_getaffinity(0)
     if not set(cpus) <= allowed:
         raise ConfigError(f"control_cpus: cores {sorted(set(cpus) - allowed)} are not available "
@@ -152,8 +153,7 @@ def plan_control_cpus(spec: ClusterSpec) -> list[int] | None:
     return cpus
 
 
-def _auto_control_cpus(spec: ClusterSpec) -> list[int] | None:
-    workers = plan_worker_cpus(spec)
+def _auto_control_cpus(workers: dict[str, list[int]]) -> list[int] | None:
     taken = {cpu for cpus in workers.values() for cpu in cpus}
     spare = sorted(os.sched_getaffinity(0) - taken)
     if spare:
@@ -221,7 +221,7 @@ class Cluster:
         self.redis_url = spec.redis_url
         self.gateway_url = ""
         self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
-        self.control_cpus = plan_control_cpus(spec)  # the other children's cores, or None
+        self.control_cpus = plan_control_cpus(spec, self.worker_cpus)  # the other children's cores, or None
         self.supervisor: Supervisor | None = None
         self.metrics = LauncherMetrics(lambda: list(self.processes.values()))
         self.metrics_url = ""  # the launcher's own Prometheus endpoint, once started
