@@ -40,6 +40,10 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers get every core, decode workers their share, and one forward runs at "
                              "a time, in turn: lower TTFT at light bf16 load, decode stalls while prefill is "
                              "busy (measured trade: README, Side by side)")
+    parser.add_argument("--spill", action="store_true",
+                        help="prefill and decode workers also serve whole requests, prefilled and decoded in one "
+                             "worker, which the router sends them only while the prefill/decode pairs are "
+                             "saturated: under a burst every core prefills and decodes (README, Spilling)")
     parser.add_argument("--control-cpus", default="auto",
                         help="cores for the router, gateway, kvbroker and Redis, e.g. 3; auto (default): cores no "
                              "worker was given, else the decode workers'; any: not pinned. On 2 cores, 1+1, bf16, "
@@ -78,11 +82,13 @@ def _spec(args) -> ClusterSpec:
     num_decode = default if args.decode is None else args.decode
     if num_prefill + num_decode + args.colocated == 0 or (num_prefill == 0) != (num_decode == 0):
         raise ConfigError("prefill/decode: need at least one prefill and one decode worker, or --colocated N")
+    if args.spill and args.take_turns:
+        raise ConfigError("spill: cannot be combined with --take-turns (a spilling worker's loop takes no turns)")
     return ClusterSpec(model=resolve_model_path(args.model), num_prefill=num_prefill, num_decode=num_decode,
                        num_colocated=args.colocated,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
-                       cpus=args.cpus, share_cores=args.share_cores, take_turns=args.take_turns,
+                       cpus=args.cpus, share_cores=args.share_cores, take_turns=args.take_turns, spill=args.spill,
                        control_cpus=args.control_cpus,
                        tls=make_dev_certs(args.tls_dir) if args.tls_dir else PLAINTEXT,
                        env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device})

@@ -45,7 +45,9 @@ from distserve import cluster_state
 from distserve.config import ConfigError
 from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
 from distserve.metrics import LauncherMetrics
+from distserve.control_placement import ControlPlacement
 from distserve.cpus import format_cpu_list, parse_cpu_list, split_cores
+from distserve.spill_policy import SpillPolicy
 from distserve.ports import free_port, is_bind_failure
 from distserve.supervisor import RestartPolicy, Supervisor
 
@@ -120,6 +122,9 @@ class ClusterSpec:
     # True: prefill workers get all of `cpus`, decode workers their split share, and one forward runs at a
     # time, in turn (distserve.engine.core_turns)
     take_turns: bool = False
+    # True: prefill and decode workers also serve whole requests (also_colocated), which the router sends
+    # them while the pairs are saturated (services.router.picker: spilling)
+    spill: bool = False
     # Cores for the router, gateway, kvbroker and Redis: a core list, "auto" (spare cores, else the decode
     # workers': plan_control_cpus; `distserve up`'s default) or ""/"any" (not pinned: they run wherever the
     # OS puts them, prefill cores included). See README "Cores" for the measured trade.
@@ -223,6 +228,7 @@ class Cluster:
         self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
         self.control_cpus = plan_control_cpus(spec, self.worker_cpus)  # the other children's cores, or None
         self.supervisor: Supervisor | None = None
+        self.control_placement: ControlPlacement | None = None
         self.metrics = LauncherMetrics(lambda: list(self.processes.values()))
         self.metrics_url = ""  # the launcher's own Prometheus endpoint, once started
 
@@ -242,8 +248,21 @@ class Cluster:
         if self.spec.supervise:
             self.supervisor = Supervisor(lambda: list(self.processes.values()), self.respawn,
                                          self.spec.restart_policy, self.write_state).start()
+        self.control_placement = self._follow_load()
         self.write_state()
         return self
+
+    def _follow_load(self) -> "ControlPlacement | None":
+        """With spilling, control_cpus "auto" and no core to spare (the control plane shares the workers'
+        cores), a ControlPlacement lets the control plane float over every core while requests spill."""
+        worker_cores = {cpu for cpus in self.worker_cpus.values() for cpu in cpus}
+        if (not self.spec.spill or self.spec.control_cpus != "auto" or self.control_cpus is None
+                or not set(self.control_cpus) <= worker_cores):
+            return None
+        every = sorted(worker_cores | set(self.control_cpus))
+        pids = lambda: [p.popen.pid for p in self.processes.values() if p.cpus is not None]  # noqa: E731
+        return ControlPlacement(self.redis_url, pids, self.control_cpus, every,
+                                SpillPolicy.from_env({**os.environ, **self.spec.env})).start()
 
     def write_state(self) -> None:
         if self.spec.state_file:
@@ -326,6 +345,8 @@ class Cluster:
             env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's OpenMP pool is sized at import
         if module in ("services.prefill", "services.decode", "services.colocated"):
             env.update(_unless_set(WORKER_MALLOC_ENV))
+        if self.spec.spill and module in ("services.prefill", "services.decode"):
+            argv += ["--also-colocated", "true"]
         if self.spec.take_turns and module in ("services.prefill", "services.decode"):
             argv += ["--core-turns", str(self.log_dir / "core-turns")]
             env.update(_unless_set(TURNS_OPENMP_ENV))
@@ -423,6 +444,8 @@ class Cluster:
         after grace_s. Removes the state file."""
         if self.supervisor is not None:
             self.supervisor.stop()
+        if self.control_placement is not None:
+            self.control_placement.stop()
         self.metrics.stop()
 
         def phase(names: list[str]) -> None:

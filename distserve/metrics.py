@@ -37,8 +37,8 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
         log.info("metrics on http://%s:%d/metrics", host, port)
 
 
-def _hist(name: str, doc: str, buckets: list[float], labels: tuple[str, ...] = ()) -> Histogram:
-    return Histogram(PREFIX + name, doc, labels, buckets=buckets)
+def _hist(name: str, doc: str, buckets: list[float], labels: tuple[str, ...] = (), prefix: str = PREFIX) -> Histogram:
+    return Histogram(prefix + name, doc, labels, buckets=buckets)
 
 
 class RouterMetrics:
@@ -85,18 +85,22 @@ class DecodeMetrics:
 
 
 class ColocatedMetrics:
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = PREFIX) -> None:
+        """`prefix`: another one where these share a process with PrefillMetrics or DecodeMetrics (a
+        prefill or decode worker that also serves whole requests)."""
         self.queue_time = _hist("request_queue_time_seconds", "Time waiting for the first prefill step",
-                                REQUEST_BUCKETS)
-        self.prefill_time = _hist("request_prefill_time_seconds", "First to last prefill step", REQUEST_BUCKETS)
-        self.decode_time = _hist("request_decode_time_seconds", "Time in the running batch", REQUEST_BUCKETS)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled")
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated after the first")
-        self.success = Counter(PREFIX + "request_success", "Finished sequences", ["finished_reason"])
-        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
-        self.running = Gauge(PREFIX + "num_requests_running", "Sequences decoding")
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Prompts waiting for (more) prefill")
-        self.batch_tokens = Histogram(PREFIX + "prefill_batch_tokens", "Packed prompt tokens in the step that "
+                                REQUEST_BUCKETS, prefix=prefix)
+        self.prefill_time = _hist("request_prefill_time_seconds", "First to last prefill step", REQUEST_BUCKETS,
+                                  prefix=prefix)
+        self.decode_time = _hist("request_decode_time_seconds", "Time in the running batch", REQUEST_BUCKETS,
+                                 prefix=prefix)
+        self.prompt_tokens = Counter(prefix + "prompt_tokens", "Prompt tokens prefilled")
+        self.generation_tokens = Counter(prefix + "generation_tokens", "Tokens generated after the first")
+        self.success = Counter(prefix + "request_success", "Finished sequences", ["finished_reason"])
+        self.kv_usage = Gauge(prefix + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        self.running = Gauge(prefix + "num_requests_running", "Sequences decoding")
+        self.waiting = Gauge(prefix + "num_requests_waiting", "Prompts waiting for (more) prefill")
+        self.batch_tokens = Histogram(prefix + "prefill_batch_tokens", "Packed prompt tokens in the step that "
                                       "finished a request's prefill (one sample per request)",
                                       buckets=BATCH_TOKEN_BUCKETS)
 

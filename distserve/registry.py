@@ -20,11 +20,13 @@ import json
 import logging
 from typing import Callable
 
+import redis
 import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "distserve:worker:"
+SPILLING_KEY = "distserve:spilling"  # set (with a short expiry) by a router while it spills requests
 
 
 @dataclasses.dataclass
@@ -74,21 +76,48 @@ class WorkerRegistry:
             pipe.zrem(index_key(role), worker_id)
             await pipe.execute()
 
+    async def mark_spilling(self, hold_s: float) -> None:
+        """Records that this router is spilling requests (sent to spill-only colocated workers) now; the
+        mark lapses hold_s later unless renewed. Read by spilling_now (the launcher's control placement)."""
+        await self._redis.set(SPILLING_KEY, 1, px=int(hold_s * 1000))
+
     async def list(self, role: str) -> list[WorkerRecord]:
         """Live workers of a role; records that fail to parse are skipped (and logged)."""
         await self._redis.zremrangebyscore(index_key(role), "-inf", await server_time(self._redis))
         ids = [i.decode() for i in await self._redis.zrange(index_key(role), 0, -1)]
         if not ids:
             return []
-        records = []
-        for value in await self._redis.mget([worker_key(role, i) for i in ids]):
-            if value is None:  # expired, its index entry not yet pruned
-                continue
-            try:
-                records.append(WorkerRecord(**json.loads(value)))
-            except (ValueError, TypeError) as exc:
-                log.warning("ignoring malformed %s registry record: %s", role, exc)
-        return records
+        return _parse_records(role, await self._redis.mget([worker_key(role, i) for i in ids]))
+
+
+def list_now(client: redis.Redis, role: str) -> list[WorkerRecord]:
+    """WorkerRegistry.list with a synchronous client, for threads outside an event loop (the launcher's);
+    reads only (expired index entries are left for the workers' registries to prune)."""
+    ids = [i.decode() for i in client.zrangebyscore(index_key(role), server_time_now(client), "+inf")]
+    return _parse_records(role, client.mget([worker_key(role, i) for i in ids])) if ids else []
+
+
+def spilling_now(client: redis.Redis) -> bool:
+    """Whether some router marked itself spilling within its hold time (WorkerRegistry.mark_spilling)."""
+    return bool(client.exists(SPILLING_KEY))
+
+
+def server_time_now(client: redis.Redis) -> float:
+    seconds, microseconds = client.time()
+    return seconds + microseconds / 1e6
+
+
+def _parse_records(role: str, values: list[bytes | None]) -> list[WorkerRecord]:
+    """Records from their JSON; expired keys (None) and malformed records (logged) are skipped."""
+    records = []
+    for value in values:
+        if value is None:  # expired, its index entry not yet pruned
+            continue
+        try:
+            records.append(WorkerRecord(**json.loads(value)))
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring malformed %s registry record: %s", role, exc)
+    return records
 
 
 async def heartbeat(registry: WorkerRegistry, make_record: Callable[[], WorkerRecord], interval_s: float,

@@ -19,34 +19,35 @@ log = logging.getLogger(__name__)
 
 async def serve_worker(
     address: str,
-    service: Service,
+    services: list[Service],
     registry: WorkerRegistry,
-    make_record: Callable[[], WorkerRecord],
+    make_records: list[Callable[[], WorkerRecord]],
     heartbeat_s: float,
     loops: list[Callable[[], Awaitable[None]]],
     grace_s: float,
     drain_s: float,
     tls: TlsConfig = PLAINTEXT,
 ) -> None:
-    """Serves until SIGTERM; `loops` are started once the server is up and cancelled at exit."""
+    """Serves until SIGTERM; `loops` are started once the server is up and cancelled at exit. Each of
+    `make_records` is one registry entry (a worker serving two roles has two), heartbeated on its own."""
     tasks: list[asyncio.Task] = []
     beat: list[asyncio.Task] = []
     stop_beating = asyncio.Event()
 
     async def on_ready(port: int) -> None:
         tasks.extend(asyncio.create_task(loop()) for loop in loops)
-        beat.append(asyncio.create_task(heartbeat(registry, make_record, heartbeat_s, stop_beating)))
-        record = make_record()
-        log.info("%s worker %s ready on port %d", record.role, record.worker_id, port)
+        beat.extend(asyncio.create_task(heartbeat(registry, make, heartbeat_s, stop_beating)) for make in make_records)
+        for record in (make() for make in make_records):
+            log.info("%s worker %s ready on port %d", record.role, record.worker_id, port)
 
     async def on_shutdown() -> None:
         stop_beating.set()
         await asyncio.gather(*beat)  # no heartbeat in flight may re-register the worker after this
-        record = make_record()
-        await registry.remove(record.role, record.worker_id)
+        for record in (make() for make in make_records):
+            await registry.remove(record.role, record.worker_id)
 
     try:
-        await run_grpc_server(address, [service], on_ready, on_shutdown, grace_s=grace_s, drain_s=drain_s,
+        await run_grpc_server(address, services, on_ready, on_shutdown, grace_s=grace_s, drain_s=drain_s,
                               tls=tls)
     finally:
         await stop_tasks(tasks + beat)

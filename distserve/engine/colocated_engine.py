@@ -55,6 +55,7 @@ class ColocatedEngine:
                 continue
             if chunks:
                 self.prefill.begin(chunks)
+            started = time.perf_counter()
             try:
                 results, sampled = await self.compute.run(self._step, chunks, decoding)
             except Exception as exc:  # a failed step fails its requests, not the worker
@@ -62,10 +63,19 @@ class ColocatedEngine:
                 if decoding:
                     self.decode.fail(decoding, exc)
                 continue
+            self._observe_cost(time.perf_counter() - started, chunks, decoding)
             self.num_steps += 1
             self.prefill.deliver(chunks, results)
             if decoding:
                 self.decode.postprocess(decoding, sampled)
+
+    def _observe_cost(self, seconds: float, chunks, decoding: list[Sequence]) -> None:
+        """Feeds each side's cost meter from the steps that were that side's alone: a fused step's
+        time cannot be split between its prompt tokens and its decoding rows."""
+        if not decoding:
+            self.prefill.cost.observe(seconds, sum(c.num_tokens for c in chunks))
+        elif not chunks:
+            self.decode.cost.observe(seconds, len(decoding))
 
     def _step(self, chunks, decoding: list[Sequence]):
         """The fused forward, then first tokens for finishing prompts and next tokens for decoding ones."""

@@ -14,6 +14,7 @@ import torch
 
 from distserve.engine.compute_thread import ComputeThread
 from distserve.engine.core_turns import CoreTurns, NoTurns
+from distserve.engine.cost_meter import CostMeter
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs
@@ -74,6 +75,7 @@ class DecodeEngine:
         self.step_stats = StepStats()
         self._step_compute_s = 0.0
         self.num_reserving = 0  # requests waiting for free blocks
+        self.cost = CostMeter()  # seconds per decoded token (a step over its batch), published for the router
 
     async def reserve(self, num_blocks: int) -> list[int]:
         """Waits until num_blocks are free and takes them (callers bound the wait with a timeout)."""
@@ -106,6 +108,12 @@ class DecodeEngine:
         finally:
             self.num_reserving -= 1
 
+    @property
+    def tokens_left(self) -> int:
+        """Tokens still to decode for the sequences here, at most: each one's max_tokens less what it has."""
+        return sum(max(s.params.max_tokens - s.num_generated, 0)
+                   for s in (*self.scheduler.running, *self.scheduler.waiting))
+
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self._wakeup.set()
@@ -125,6 +133,7 @@ class DecodeEngine:
                     started = time.perf_counter()
                     sampled = await self.compute.run(self._step, batch)
                     self.step_stats.add(len(batch), time.perf_counter() - started, self._step_compute_s)
+                    self.cost.observe(time.perf_counter() - started, len(batch))
                 except Exception as exc:  # a failed step ends its batch's requests, not the worker
                     self.fail(batch, exc)
                     sampled = None

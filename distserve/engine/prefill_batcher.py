@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distserve.engine.compute_thread import ComputeThread
+from distserve.engine.cost_meter import CostMeter
 from distserve.engine.core_turns import CoreTurns, NoTurns
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs, token_logprobs
@@ -151,6 +152,7 @@ class PrefillBatcher:
         self.max_batch_size = 0
         self.num_running_tokens = 0
         self.num_running = 0
+        self.cost = CostMeter()  # seconds per prompt token, published for the router
 
     @property
     def num_waiting(self) -> int:
@@ -218,11 +220,13 @@ class PrefillBatcher:
                 self._wakeup.clear()
                 continue
             self.begin(batch)
+            started = time.perf_counter()
             try:
                 results = await self.compute.run(self._forward, batch)
             except Exception as exc:  # a failed forward fails its requests, not the worker
                 self.fail(batch, exc)
                 continue
+            self.cost.observe(time.perf_counter() - started, sum(s.num_tokens for s in batch))
             self.deliver(batch, results)
 
     def begin(self, batch: list[_Slice]) -> None:

@@ -12,15 +12,11 @@ from distserve import redis_client
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
 from distserve.engine.colocated_engine import ColocatedEngine
-from distserve.engine.decode_engine import DecodeEngine
-from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.dtype import resolve_dtype
-from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
-from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
+from distserve.engine.model_spec import ModelSpec, load_model_spec
 from distserve.grpc_server import Service
 from distserve.logs import setup_logging
 from distserve.metrics import ColocatedMetrics, serve_metrics
@@ -28,6 +24,7 @@ from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.v1 import colocated_pb2_grpc
 from distserve.worker_lifecycle import serve_worker
+from services.colocated.build import build_decode_side, build_prefill_side, colocated_load
 from services.colocated.config import ColocatedConfig
 from services.colocated.server import ColocatedServicer
 
@@ -36,18 +33,11 @@ log = logging.getLogger(__name__)
 
 def build_engine(config: ColocatedConfig, model, spec: ModelSpec, grammars: LazyGrammarCompiler) -> ColocatedEngine:
     """A prefill batcher and a decode engine over one runner and one paged cache, driven by one loop."""
-    dtype = DTYPES[config.dtype]
-    num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
-    kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
-                            dtype, config.device)
     runner = ModelRunner(model)
     runner.warm_up()
     wakeup = asyncio.Event()
-    prefill = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context,
-                             config.max_batch_tokens or saturation_tokens(config.device), wakeup, grammars=grammars)
-    scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
-    decode = DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars)
-    return ColocatedEngine(prefill, decode, wakeup)
+    return ColocatedEngine(build_prefill_side(config, runner, spec, grammars, wakeup),
+                           build_decode_side(config, runner, spec, grammars, wakeup), wakeup)
 
 
 async def serve(config: ColocatedConfig) -> None:
@@ -65,22 +55,18 @@ async def serve(config: ColocatedConfig) -> None:
     def record() -> WorkerRecord:
         scheduler, prefill = engine.decode.scheduler, engine.prefill
         allocator = scheduler.allocator
-        # outstanding_tokens: what the router compares across colocated and prefill workers
-        load = {"outstanding_tokens": prefill.outstanding_tokens, "num_waiting": prefill.num_waiting,
-                "num_running": len(scheduler.running), "free_blocks": allocator.num_free,
-                "total_blocks": allocator.num_blocks, "block_size": config.block_size}
         metrics.kv_usage.set(allocator.num_used / allocator.num_blocks)
         metrics.running.set(len(scheduler.running))
         metrics.waiting.set(prefill.num_waiting)
-        return WorkerRecord(worker_id, "colocated", f"{config.advertise_host}:{config.port}", "", load,
-                            spec.kv_format(config.dtype))
+        return WorkerRecord(worker_id, "colocated", f"{config.advertise_host}:{config.port}", "",
+                            colocated_load(engine, config.block_size), spec.kv_format(config.dtype))
 
     service = Service(colocated_pb2_grpc.add_ColocatedServiceServicer_to_server, servicer,
                       "distserve.v1.ColocatedService")
     log.info("colocated worker %s: blocks=%d max_batch_tokens=%d model=%s", worker_id,
              engine.decode.scheduler.allocator.num_blocks, engine.max_batch_tokens, path)
     try:
-        await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
+        await serve_worker(f"{config.host}:{config.port}", [service], registry, [record], config.heartbeat_s,
                            [engine.run], config.grace_s, config.drain_s, tls=config)
     finally:
         await redis.aclose()

@@ -72,8 +72,9 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
     async def _reserve_blocks(self, prompt_len: int, max_tokens: int, context) -> list[int]:
         """Blocks for the whole request up front: a request is admitted only when it can finish."""
         try:
+            # whole life: never preempted (a decode worker's own sequences reserve ahead and may be)
             return await self._engine.decode.reserve_for(prompt_len, max_tokens, self._config.admission_timeout_s,
-                                                        self._config.max_waiting_for_blocks)
+                                                        self._config.max_waiting_for_blocks, whole_life=True)
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 

@@ -13,6 +13,7 @@ from distserve import redis_client
 from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
+from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.core_turns import core_turns
 from distserve.engine.dtype import resolve_dtype
 from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
@@ -29,6 +30,8 @@ from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.transfer import connector
 from distserve.transfer.connector import KvConsumer
 from distserve.v1 import decode_pb2_grpc
+from services.colocated.build import also_colocated, build_prefill_side
+from services.colocated.config import ColocatedConfig
 from services.decode.config import DecodeConfig
 from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
@@ -37,7 +40,8 @@ from services.decode.server import DecodeServicer
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGrammarCompiler) -> DecodeEngine:
+def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGrammarCompiler,
+                 wakeup: asyncio.Event | None = None) -> DecodeEngine:
     dtype = DTYPES[config.dtype]
     num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
@@ -46,7 +50,7 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGra
                                 config.reserve_ahead_tokens)
     runner = ModelRunner(model)
     runner.warm_up()
-    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, grammars=grammars,
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars=grammars,
                         turns=core_turns(config.core_turns))
 
 
@@ -67,7 +71,9 @@ async def serve(config: DecodeConfig) -> None:
     path = resolve_model_path(config.model)
     model = load_engine_model(path, config.dtype, config.device)
     spec = load_model_spec(path)
-    engine = build_engine(config, model, spec, LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids))
+    grammars = LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids)
+    wakeup = asyncio.Event()  # shared with the prefill half when also_colocated
+    engine = build_engine(config, model, spec, grammars, wakeup)
     metrics = DecodeMetrics()
     receiver = connector.make_consumer("ucx")
     redis = redis_client.connect(config.redis_url)
@@ -90,11 +96,25 @@ async def serve(config: DecodeConfig) -> None:
         return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load,
                             spec.kv_format(config.dtype))
 
-    service = Service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "distserve.v1.DecodeService")
-    log.info("decode worker %s: blocks=%d model=%s", worker_id, engine.scheduler.allocator.num_blocks, path)
+    services = [Service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "distserve.v1.DecodeService")]
+    records, loop = [record], engine.run
+    if config.also_colocated:  # a prefill half over the same runner; one loop drives both halves
+        colocated_config = ColocatedConfig(
+            worker_id=worker_id, dtype=config.dtype, device=config.device, max_batch_tokens=config.max_batch_tokens,
+            block_size=config.block_size, max_running=config.max_running,
+            admission_timeout_s=config.admission_timeout_s, max_waiting_for_blocks=config.max_waiting_for_blocks)
+        colocated = ColocatedEngine(build_prefill_side(colocated_config, engine.runner, spec, grammars, wakeup),
+                                    engine, wakeup)
+        service, spill_record = also_colocated(colocated_config, spec, colocated,
+                                               f"{config.advertise_host}:{config.port}")
+        services.append(service)
+        records.append(spill_record)
+        loop = colocated.run
+    log.info("decode worker %s: blocks=%d model=%s%s", worker_id, engine.scheduler.allocator.num_blocks, path,
+             " (also colocated)" if config.also_colocated else "")
     try:
-        await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
-                           [engine.run, lambda: preconnect(registry, receiver, config.heartbeat_s)],
+        await serve_worker(f"{config.host}:{config.port}", services, registry, records, config.heartbeat_s,
+                           [loop, lambda: preconnect(registry, receiver, config.heartbeat_s)],
                            config.grace_s, config.drain_s, tls=config)
     finally:
         await receiver.close()

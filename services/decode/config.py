@@ -41,6 +41,11 @@ class DecodeConfig(TlsConfig):
                                              "(0: reserve prompt + max_tokens up front)")
     max_waiting_for_blocks: int = setting(16, "requests that may wait for free KV blocks at once; more are refused "
                                               "at once with RESOURCE_EXHAUSTED (0: no bound)")
+    also_colocated: bool = setting(False, "also serve whole requests (ColocatedService), prefilled here in the decode "
+                                          "steps; the router sends them only while the prefill/decode pairs are "
+                                          "saturated")
+    max_batch_tokens: int = setting(0, "with also_colocated: token budget of one step, decoding sequences plus "
+                                       "prompt chunks (0: auto, the engine's measured saturation length)")
     heartbeat_s: float = setting(1.0, "registry heartbeat interval")
     lease_s: float = setting(3.0, "registry lease: the worker vanishes this long after its last heartbeat")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
@@ -60,6 +65,9 @@ class DecodeConfig(TlsConfig):
         require(self.kv_cache_mb > 0, "kv_cache_mb", "must be > 0")
         require(self.max_running > 0, "max_running", "must be > 0")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")
+        require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
+        require(not (self.also_colocated and self.core_turns), "also_colocated",
+                "cannot be combined with core_turns (the colocated loop does not take turns)")
 
     @property
     def resolved_worker_id(self) -> str:

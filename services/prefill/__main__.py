@@ -13,6 +13,7 @@ from distserve import redis_client
 from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
 from distserve.cpus import apply_cpus
+from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.core_turns import core_turns
 from distserve.engine.dtype import resolve_dtype
 from distserve.engine.grammars import LazyGrammarCompiler
@@ -29,6 +30,8 @@ from distserve.transfer import connector
 from distserve.v1 import prefill_pb2_grpc
 from services.kvbroker.store import release_channel
 from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
+from services.colocated.build import also_colocated, build_decode_side
+from services.colocated.config import ColocatedConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.held_kv import HeldKv
 from services.prefill.server import PrefillServicer
@@ -60,11 +63,12 @@ async def serve(config: PrefillConfig) -> None:
     runner = ModelRunner(model)
     runner.warm_up()
     batch_tokens = config.max_batch_tokens or saturation_tokens(config.device)
-    batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, batch_tokens,
+    grammars = LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids)
+    wakeup = asyncio.Event()  # shared with the decode half when also_colocated
+    batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, batch_tokens, wakeup,
                              max_queued_tokens=config.max_queued_tokens or 256 * batch_tokens,
                              queue_timeout_s=config.queue_timeout_s,
-                             grammars=LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids),
-                             turns=core_turns(config.core_turns))
+                             grammars=grammars, turns=core_turns(config.core_turns))
     held = HeldKv(config.resolved_max_held_kv_bytes)
     metrics = PrefillMetrics()
 
@@ -94,12 +98,23 @@ async def serve(config: PrefillConfig) -> None:
         return WorkerRecord(worker_id, "prefill", f"{config.advertise_host}:{config.port}", ucx_address, load,
                             spec.kv_format(config.dtype))
 
-    service = Service(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer,
-                      "distserve.v1.PrefillService")
-    log.info("prefill worker %s: ucx=%s model=%s", worker_id, ucx_address, path)
+    services = [Service(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, servicer,
+                        "distserve.v1.PrefillService")]
+    records, loop = [record], batcher.run
+    if config.also_colocated:  # a decode half over the same runner; one loop drives both halves
+        colocated_config = ColocatedConfig(worker_id=worker_id, dtype=config.dtype, device=config.device,
+                                           max_batch_tokens=batch_tokens, kv_cache_mb=config.colocated_kv_cache_mb)
+        engine = ColocatedEngine(batcher, build_decode_side(colocated_config, runner, spec, grammars, wakeup),
+                                 wakeup)
+        service, spill_record = also_colocated(colocated_config, spec, engine, f"{config.advertise_host}:{config.port}")
+        services.append(service)
+        records.append(spill_record)
+        loop = engine.run
+    log.info("prefill worker %s: ucx=%s model=%s%s", worker_id, ucx_address, path,
+             " (also colocated)" if config.also_colocated else "")
     try:
-        await serve_worker(f"{config.host}:{config.port}", service, registry, record, config.heartbeat_s,
-                           [batcher.run, held.run_expiry, lambda: follow_releases(redis, worker_id, held)],
+        await serve_worker(f"{config.host}:{config.port}", services, registry, records, config.heartbeat_s,
+                           [loop, held.run_expiry, lambda: follow_releases(redis, worker_id, held)],
                            config.grace_s, config.drain_s, tls=config)
     finally:
         sender.stop()

@@ -41,6 +41,9 @@ class PrefillConfig(TlsConfig):
     kv_lease_s: float = setting(30.0, "free a held KV this long after registering if no one claims it")
     max_held_kv_bytes: int = setting(0, "most KV bytes held for decode workers at once; a Prefill that would "
                                         "exceed it fails RESOURCE_EXHAUSTED (0: a quarter of physical memory)")
+    also_colocated: bool = setting(False, "also serve whole requests (ColocatedService), prefilled and decoded here; "
+                                          "the router sends them only while the prefill/decode pairs are saturated")
+    colocated_kv_cache_mb: int = setting(1024, "with also_colocated: paged KV cache for the requests decoded here, MiB")
     heartbeat_s: float = setting(1.0, "registry heartbeat interval")
     lease_s: float = setting(3.0, "registry lease: the worker vanishes this long after its last heartbeat")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
@@ -60,6 +63,9 @@ class PrefillConfig(TlsConfig):
         require(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
         require(self.max_held_kv_bytes >= 0, "max_held_kv_bytes", "must be >= 0 (0: a quarter of physical memory)")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")
+        require(self.colocated_kv_cache_mb > 0, "colocated_kv_cache_mb", "must be > 0")
+        require(not (self.also_colocated and self.core_turns), "also_colocated",
+                "cannot be combined with core_turns (the colocated loop does not take turns)")
 
     @property
     def resolved_worker_id(self) -> str:

@@ -20,6 +20,7 @@ from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.registry import WorkerRegistry
 from distserve.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
+from distserve.spill_policy import SpillPolicy
 from services.router.picker import WorkerPicker
 from services.router.server import RouterServicer
 
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 async def serve(config: RouterConfig) -> None:
     path = resolve_model_path(config.model)
     redis = redis_client.connect(config.redis_url)
-    picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s)
+    picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s,
+                          SpillPolicy(config.spill_prefill_tokens, config.spill_decode_running))
     channels = ChannelPool(config)
     servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels,
                               model_name=Path(path).name, metrics=RouterMetrics())

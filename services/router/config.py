@@ -6,6 +6,7 @@ import dataclasses
 
 from distserve.config import require, setting
 from distserve.grpc_server import TlsConfig
+from distserve.spill_policy import SpillPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,12 @@ class RouterConfig(TlsConfig):
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
     max_retries: int = setting(2, "times one request may be re-prefilled and moved to other workers after "
                                   "a worker or its KV is lost (request migration)")
+    spill_prefill_tokens: int = setting(SpillPolicy.prefill_tokens, "spill-only colocated workers (prefill/decode workers started with "
+                                              "also_colocated) take requests once the least-loaded prefill worker "
+                                              "has this many prompt tokens outstanding (0: never on that count)")
+    spill_decode_running: int = setting(SpillPolicy.decode_running, "spill-only colocated workers also take requests "
+                                        "once the least-loaded decode worker runs this many sequences (0: never on "
+                                        "that count)")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
@@ -39,3 +46,5 @@ class RouterConfig(TlsConfig):
         require(self.decode_idle_timeout_s > 0, "decode_idle_timeout_s", "must be > 0")
         require(self.max_retries >= 0, "max_retries", "must be >= 0")
         require(self.registry_refresh_s > 0, "registry_refresh_s", "must be > 0")
+        require(self.spill_prefill_tokens >= 0, "spill_prefill_tokens", "must be >= 0 (0: never on that count)")
+        require(self.spill_decode_running >= 0, "spill_decode_running", "must be >= 0 (0: never on that count)")

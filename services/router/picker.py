@@ -4,6 +4,13 @@ Registry load figures are up to one heartbeat old, so the router adds what it
 has sent since: outstanding prompt tokens for prefill, open streams for decode.
 A worker whose call failed to connect is skipped for `suspect_s` seconds (its
 registry entry may outlive it by up to one lease).
+
+Spilling: a prefill or decode worker started with also_colocated registers a second, spill-only
+colocated record. Those take whole requests only while the prefill/decode pairs are saturated (a
+prompt queue or a decode batch past distserve.spill_policy's marks), and then the one expected to be free
+first: its queued prompt and decode tokens times what each costs it (measured by the worker). At
+light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
+both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """
 
 from __future__ import annotations
@@ -17,16 +24,25 @@ import time
 import redis.asyncio as aioredis
 
 from distserve.registry import WorkerRecord, WorkerRegistry
+from distserve.spill_policy import SpillPolicy
 
 log = logging.getLogger(__name__)
 
+# While spilling, the registry's spilling mark is renewed at most this often and held this long (the
+# launcher's control placement reads it: distserve.control_placement).
+SPILL_ANNOUNCE_S = 0.25
+SPILL_HOLD_S = 1.0
+
 
 class WorkerPicker:
-    def __init__(self, registry: WorkerRegistry, suspect_s: float):
+    def __init__(self, registry: WorkerRegistry, suspect_s: float, spill: SpillPolicy = SpillPolicy()):
         self._registry = registry
         self._suspect_s = suspect_s
+        self._spill = spill
         self._workers: dict[str, list[WorkerRecord]] = {"prefill": [], "decode": [], "colocated": []}
         self._inflight: collections.Counter[str] = collections.Counter()
+        self._inflight_decode_tokens: collections.Counter[str] = collections.Counter()
+        self._spill_announced_at = -SPILL_ANNOUNCE_S
         self._suspect_until: dict[str, float] = {}
 
     async def refresh(self) -> None:
@@ -73,9 +89,63 @@ class WorkerPicker:
         def score(w: WorkerRecord):
             return (w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id], w.load.get("num_running", 0))
 
-        fits = [w for w in self.workers("colocated")
-                if w.load.get("total_blocks", float("inf")) * w.load.get("block_size", 1) >= num_tokens]
-        return min(fits, default=None, key=score)
+        return min(self._colocated_fitting(num_tokens, spill_only=False), default=None, key=score)
+
+    def _colocated_fitting(self, num_tokens: int, spill_only: bool) -> list[WorkerRecord]:
+        """Colocated workers (dedicated ones, or spill-only ones) whose KV cache can hold num_tokens."""
+        return [w for w in self.workers("colocated") if bool(w.load.get("spill_only")) == spill_only
+                and w.load.get("total_blocks", float("inf")) * w.load.get("block_size", 1) >= num_tokens]
+
+    def pick_spill(self, prompt_tokens: int, num_tokens: int) -> WorkerRecord | None:
+        """The spill-only colocated worker to take a whole request (num_tokens of KV, prompt_tokens of
+        them prompt), or None: none can hold it, or the pairs are not saturated (module docstring)."""
+        spill = self._colocated_fitting(num_tokens, spill_only=True)
+        if not spill or not self.pairs_saturated(prompt_tokens, num_tokens):
+            return None
+        busy = self.busy_seconds(spill)
+        return min(spill, key=lambda w: busy[w.worker_id])
+
+    async def announce_spill(self) -> None:
+        """Marks spilling in the registry, at most every SPILL_ANNOUNCE_S; a Redis error is logged, not raised."""
+        now = time.monotonic()
+        if now - self._spill_announced_at < SPILL_ANNOUNCE_S:
+            return
+        self._spill_announced_at = now
+        try:
+            await self._registry.mark_spilling(SPILL_HOLD_S)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not mark spilling in the registry: %s", exc)
+
+    def pairs_saturated(self, prompt_tokens: int, num_tokens: int) -> bool:
+        """Whether the prefill/decode path is past SpillPolicy's marks: its least-loaded prefill worker's
+        outstanding prompt tokens, or its least-loaded decode worker's sequences (none with room counts)."""
+        prefill = self.pick_prefill(prompt_tokens)
+        decode = prefill and self.pick_decode(num_tokens, prefill.kv_format)
+        if prefill is None or decode is None:
+            return True
+        # max, not sum: a report and this router's in-flight count mostly cover the same requests, and
+        # counting them twice would spill at half the marks
+        queued = max(prefill.load.get("outstanding_tokens", 0), self._inflight[prefill.worker_id])
+        running = max(decode.load.get("num_running", 0) + decode.load.get("num_waiting", 0),
+                      self._inflight[decode.worker_id])
+        return self._spill.saturated(queued, running)
+
+    def busy_seconds(self, workers: list[WorkerRecord]) -> dict[str, float]:
+        """Each worker's expected time to clear its queued work: outstanding prompt tokens and decode tokens
+        left, each times the worker's own measured cost per token (one not measured yet is taken as
+        the costliest measured among `workers`, or 1 s: unknown is not free)."""
+        def per_token(key: str) -> dict[str, float]:
+            fallback = max((w.load.get(key, 0) for w in workers), default=0) or 1.0
+            return {w.worker_id: w.load.get(key, 0) or fallback for w in workers}
+
+        prefill_s, decode_s = per_token("prefill_s_per_token"), per_token("decode_s_per_token")
+        busy = {}
+        for w in workers:
+            prompt = w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id]
+            # the router's own count covers requests sent since the last report; a report covers other routers'
+            decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
+            busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_s[w.worker_id]
+        return busy
 
     def prefers_colocated(self, colocated: WorkerRecord | None, prefill: WorkerRecord | None) -> bool:
         """In a mixed fleet, whether a request goes to `colocated` rather than the prefill/decode pair:
@@ -123,6 +193,15 @@ class WorkerPicker:
             yield
         finally:
             self._inflight[worker.worker_id] -= amount
+
+    @contextlib.contextmanager
+    def track_decode(self, worker: WorkerRecord, num_tokens: int):
+        """Counts num_tokens of decoding (a request's max_tokens) as in flight on worker for the block."""
+        self._inflight_decode_tokens[worker.worker_id] += num_tokens
+        try:
+            yield
+        finally:
+            self._inflight_decode_tokens[worker.worker_id] -= num_tokens
 
     def mark_suspect(self, worker: WorkerRecord) -> None:
         log.warning("worker %s unreachable; skipping it for %.1fs", worker.worker_id, self._suspect_s)

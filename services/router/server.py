@@ -115,7 +115,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return min(len(req.prompt) + req.params.max_tokens, self._spec.max_context)
 
     async def _route_colocated(self, req: RequestState, context) -> WorkerRecord | None:
-        """The colocated worker to send the whole request to, or None for the prefill/decode path."""
+        """The colocated worker to send the whole request to, or None for the prefill/decode path:
+        a spill-only one while the pairs are saturated, else a dedicated one with fewer outstanding
+        prompt tokens than the pairs' prefill (see services.router.picker)."""
         if not self._picker.workers("colocated"):
             return None
         if len(req.completions) > 1:
@@ -124,6 +126,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                "n: colocated workers serve one completion per request (n = 1, no best_of)")
         num_tokens = self._kv_tokens(req)
+        spill = self._picker.pick_spill(len(req.prompt), num_tokens)
+        if spill is not None:
+            await self._picker.announce_spill()
+            return self._routed_colocated(req, spill, "pairs saturated; expected to be free first")
         colocated = self._picker.pick_colocated(num_tokens)
         prefill = self._picker.pick_prefill() if self._picker.workers("decode") else None
         if colocated is None and prefill is None:
@@ -132,13 +138,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                "that much KV cache")
         if not self._picker.prefers_colocated(colocated, prefill):
             return None
+        return self._routed_colocated(req, colocated, "fewest outstanding prompt tokens "
+                                      f"({colocated.load.get('outstanding_tokens', 0)} reported)")
+
+    def _routed_colocated(self, req: RequestState, colocated: WorkerRecord, reason: str) -> WorkerRecord:
+        """Records the colocated route (span and log) and returns its worker."""
         with tracing.span("route", req.request_id) as span:
             span.set_attributes({"distserve.colocated.worker": colocated.worker_id,
-                                 "distserve.colocated.reason": "fewest outstanding prompt tokens "
-                                 f"({colocated.load.get('outstanding_tokens', 0)} reported)",
+                                 "distserve.colocated.reason": reason,
+                                 "distserve.colocated.spill": bool(colocated.load.get("spill_only")),
                                  "distserve.colocated.candidates": len(self._picker.workers("colocated"))})
-        log.info("route request_id=%s colocated=%s prompt_tokens=%d", req.request_id, colocated.worker_id,
-                 len(req.prompt))
+        log.info("route request_id=%s colocated=%s%s prompt_tokens=%d", req.request_id, colocated.worker_id,
+                 " (spill)" if colocated.load.get("spill_only") else "", len(req.prompt))
         return colocated
 
     async def _run_colocated(self, req: RequestState, worker: WorkerRecord, context):
@@ -147,33 +158,39 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         call = stub.PrefillAndDecode(colocated_pb2.PrefillAndDecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt, sampling=sampling_to_proto(req.params),
         ), timeout=self._config.request_timeout_s)
-        timings = req.timings
         try:
-            with self._picker.track(worker, len(req.prompt)):  # until the first token: prompt tokens in flight
-                response = await call.read()
-            while response is not grpc.aio.EOF:
-                finish = finish_from_proto(response.finish_reason)
-                is_first = not timings.first_token_s
-                if is_first or finish is not None:
-                    timings.MergeFrom(response.timings)
-                if is_first:
-                    timings.first_token_s = time.monotonic() - req.started
-                    self._metrics.ttft.observe(timings.first_token_s)
-                message = req.chunk(list(response.token_ids), finish, response.logprobs)
-                if is_first:
-                    message.prefill_worker = message.decode_worker = worker.worker_id
-                    req.add_prompt_fields(message, response.prompt_logprobs)
-                if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            with self._picker.track_decode(worker, req.params.max_tokens):
+                async for message in self._colocated_messages(req, worker, call):
                     yield message
-                    if finish is not None:
-                        await call.read()  # the stream's end; keeps the worker's spans inside this request's
-                    return
-                yield message
-                response = await call.read()
         except grpc.aio.AioRpcError as exc:
             await self._abort_for(StageFailed.of(exc, worker, "colocated"), context)
         finally:
             call.cancel()
+
+    async def _colocated_messages(self, req: RequestState, worker: WorkerRecord, call):
+        """The colocated call's responses as the request's messages, to its last."""
+        timings = req.timings
+        with self._picker.track(worker, len(req.prompt)):  # until the first token: prompt tokens in flight
+            response = await call.read()
+        while response is not grpc.aio.EOF:
+            finish = finish_from_proto(response.finish_reason)
+            is_first = not timings.first_token_s
+            if is_first or finish is not None:
+                timings.MergeFrom(response.timings)
+            if is_first:
+                timings.first_token_s = time.monotonic() - req.started
+                self._metrics.ttft.observe(timings.first_token_s)
+            message = req.chunk(list(response.token_ids), finish, response.logprobs)
+            if is_first:
+                message.prefill_worker = message.decode_worker = worker.worker_id
+                req.add_prompt_fields(message, response.prompt_logprobs)
+            if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                yield message
+                if finish is not None:
+                    await call.read()  # the stream's end; keeps the worker's spans inside this request's
+                return
+            yield message
+            response = await call.read()
 
     async def _route(self, req: RequestState, context) -> tuple[WorkerRecord, WorkerRecord]:
         with tracing.span("route", req.request_id) as span:
@@ -216,7 +233,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 # The router names the KV handle, so it can release it whatever happens to the prefill call.
                 handle_id, secret = uuid.uuid4().hex, secrets.token_hex(16)
                 try:
-                    with self._picker.track(decode_worker, 1):
+                    with self._picker.track(decode_worker, 1), \
+                            self._picker.track_decode(decode_worker, req.params.max_tokens * len(req.completions)):
                         async for message in self._attempt(req, prefill_worker, decode_worker, handle_id, secret):
                             yield message
                     handed_off = True

@@ -286,3 +286,46 @@ def test_worker_help_lists_cpus(cls, prefix, capsys):
         parse_config(cls, ["--help"], prefix)
     help_text = capsys.readouterr().out
     assert "--cpus" in help_text and prefix + "CPUS" in help_text
+
+
+def test_spill_makes_prefill_and_decode_workers_also_colocated(monkeypatch, tmp_path):
+    spawned = {}
+
+    def fake_spawn(self, name, argv, env=None):
+        spawned[name] = argv
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(Cluster, "_spawn", fake_spawn)
+    cluster = Cluster(ClusterSpec(model="m", log_dir=str(tmp_path), spill=True))
+    for name, module in (("prefill-0", "services.prefill"), ("decode-0", "services.decode"),
+                         ("colocated-0", "services.colocated"), ("router", "services.router")):
+        cluster.start_service(name, module, "127.0.0.1:1", [], metrics_port=2)
+    flagged = {name for name, argv in spawned.items() if "--also-colocated" in argv}
+    assert flagged == {"prefill-0", "decode-0"}
+    assert spawned["prefill-0"][spawned["prefill-0"].index("--also-colocated") + 1] == "true"
+
+
+def test_up_refuses_spill_with_take_turns(tiny_model_path):
+    from distserve import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_cluster_args(parser)
+    assert cli._spec(parser.parse_args(["--model", tiny_model_path, "--spill"])).spill
+    with pytest.raises(ConfigError, match="^spill: "):
+        cli._spec(parser.parse_args(["--model", tiny_model_path, "--spill", "--take-turns"]))
+
+
+def test_control_plane_follows_spilling_only_when_auto_put_it_on_worker_cores(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    started = []
+    monkeypatch.setattr("distserve.launcher.ControlPlacement.start", lambda self: started.append(self) or self)
+    for control_cpus, spill, follows in (("auto", True, True), ("auto", False, False), ("1", True, False),
+                                         ("any", True, False)):
+        cluster = Cluster(ClusterSpec(model="m", log_dir=str(tmp_path), control_cpus=control_cpus, spill=spill,
+                                      redis_url="redis://127.0.0.1:1/0"))
+        placement = cluster._follow_load()
+        assert (placement is not None) == follows, (control_cpus, spill)
+    spare = Cluster(ClusterSpec(model="m", log_dir=str(tmp_path), cpus="0", num_prefill=1, num_decode=1, spill=True,
+                                share_cores=True, control_cpus="auto", redis_url="redis://127.0.0.1:1/0"))
+    assert spare.control_cpus == [1] and spare._follow_load() is None  # a spare core: nothing to follow
+    assert [p._own for p in started] == [[1]] and started[0]._every == [0, 1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from distserve.registry import WorkerRecord
+from distserve.spill_policy import SpillPolicy
 from services.router.picker import WorkerPicker
 
 
@@ -81,3 +82,90 @@ def test_mixed_fleet_prefers_the_less_loaded_kind_and_ties_go_to_the_pair():
     with picker.track(pair, 1):
         assert picker.prefers_colocated(*both)
     assert picker.prefers_colocated(both[0], None) and not picker.prefers_colocated(None, pair)
+
+
+def spill_record(worker_id: str, outstanding: int = 0, decode_left: int = 0, prefill_s: float = 0.0,
+                 decode_s: float = 0.0, total: int = 100):
+    load = {"outstanding_tokens": outstanding, "decode_tokens_left": decode_left, "prefill_s_per_token": prefill_s,
+            "decode_s_per_token": decode_s, "total_blocks": total, "block_size": 16, "spill_only": 1}
+    return WorkerRecord(worker_id, "colocated", f"{worker_id}:1", load=load)
+
+
+def spill_fleet(prefill_outstanding: int = 0, decode_running: int = 0, policy: SpillPolicy = SpillPolicy(1024, 32),
+                spill: list[WorkerRecord] | None = None) -> WorkerPicker:
+    """One prefill/decode pair whose workers also registered spill-only colocated records."""
+    prefill = WorkerRecord("p", "prefill", "p:1", load={"outstanding_tokens": prefill_outstanding},
+                           kv_format="2x2x16:float32")
+    picker = WorkerPicker(registry=None, suspect_s=5.0, spill=policy)
+    spill = spill if spill is not None else [spill_record("p", prefill_outstanding), spill_record("d")]
+    picker._workers = {"prefill": [prefill], "decode": [decode("d", running=decode_running)], "colocated": spill}
+    return picker
+
+
+def test_spill_only_workers_take_nothing_while_the_pair_has_room():
+    picker = spill_fleet(prefill_outstanding=1000, decode_running=31)
+    assert not picker.pairs_saturated(100, 200)
+    assert picker.pick_spill(100, 200) is None
+    assert picker.pick_colocated(200) is None  # spill-only records are never dedicated colocated workers
+
+
+def test_a_long_prompt_queue_or_a_full_decode_batch_saturates_the_pair():
+    assert spill_fleet(prefill_outstanding=1024).pairs_saturated(100, 200)
+    assert spill_fleet(decode_running=32).pairs_saturated(100, 200)
+    in_flight = spill_fleet(prefill_outstanding=1000)
+    with in_flight.track(in_flight.workers("prefill")[0], 1000):  # the report and the router's count overlap
+        assert not in_flight.pairs_saturated(100, 200)
+    with in_flight.track(in_flight.workers("prefill")[0], 1024):  # sent since the last report
+        assert in_flight.pairs_saturated(100, 200)
+    never = spill_fleet(prefill_outstanding=10**6, decode_running=10**3, policy=SpillPolicy(0, 0))
+    assert not never.pairs_saturated(100, 200)
+
+
+def test_a_pair_without_a_decode_worker_able_to_take_the_request_counts_as_saturated():
+    picker = spill_fleet(spill=[spill_record("p", total=1000)])
+    assert picker.pairs_saturated(100, 100 * 16 + 1)  # the decode worker holds 100 blocks: never this request
+    assert picker.pick_spill(100, 100 * 16 + 1).worker_id == "p"
+
+
+def test_spill_goes_to_the_worker_expected_to_be_free_first():
+    # p: 2000 queued prompt tokens at 0.1 ms = 0.2 s; d: 600 decode tokens at 1 ms = 0.6 s
+    spill = [spill_record("p", outstanding=2000, prefill_s=1e-4, decode_s=1e-3),
+             spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)]
+    picker = spill_fleet(prefill_outstanding=2000, spill=spill)
+    assert picker.busy_seconds(spill) == {"p": 2000 * 1e-4, "d": 600 * 1e-3}
+    assert picker.pick_spill(100, 200).worker_id == "p"
+    with picker.track_decode(spill[0], 500):  # 0.5 s more decoding sent to p since its report
+        assert picker.pick_spill(100, 200).worker_id == "d"
+
+
+def test_a_worker_without_measured_costs_is_taken_as_the_costliest_measured():
+    spill = [spill_record("p", outstanding=100, prefill_s=2e-4, decode_s=1e-3), spill_record("d", outstanding=100)]
+    busy = spill_fleet(spill=spill).busy_seconds(spill)
+    assert busy["d"] == busy["p"] == 100 * 2e-4
+    unmeasured = [spill_record("p", outstanding=3), spill_record("d", decode_left=2)]
+    assert spill_fleet(spill=unmeasured).busy_seconds(unmeasured) == {"p": 3.0, "d": 2.0}  # 1 s per token
+
+
+def test_in_flight_decode_tokens_count_until_the_block_ends():
+    picker = spill_fleet()
+    d = picker.workers("colocated")[1]
+    with picker.track_decode(d, 64):
+        assert picker.busy_seconds([d]) == {"d": 64.0}
+    assert picker.busy_seconds([d]) == {"d": 0.0}
+
+
+async def test_spilling_is_announced_in_the_registry_at_most_every_quarter_second(monkeypatch):
+    marks = []
+
+    class Registry:
+        async def mark_spilling(self, hold_s):
+            marks.append(hold_s)
+
+    clock = [100.0]
+    monkeypatch.setattr("services.router.picker.time.monotonic", lambda: clock[0])
+    picker = WorkerPicker(registry=Registry(), suspect_s=5.0)
+    await picker.announce_spill()
+    await picker.announce_spill()
+    clock[0] += 0.25
+    await picker.announce_spill()
+    assert marks == [1.0, 1.0]

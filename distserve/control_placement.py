@@ -1,0 +1,101 @@
+"""The control plane's cores follow the load, on a machine with no core to spare for it.
+
+With every core given to a worker, `distserve up` pins the router, gateway, kvbroker and Redis to the
+decode workers' cores (launcher.plan_control_cpus): a prompt's TTFT is one forward on the prefill
+core, stretched by whatever else runs there, while a decode batch absorbs an interruption across all
+its sequences. Under a burst that trade inverts: spilling workers prefill and decode on every core,
+and a control plane held on one of them slows that core's share of the work (README, Spilling:
+bf16 rate inf with spilling, control plane pinned / floating, 470 and 538 / 685 and 599 tok/s). So while
+the registry shows the pairs saturated (distserve.spill_policy, on the workers' reported load) or
+spilled requests still under way, the control plane may run on every core; then it goes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable, Iterable
+
+import redis
+
+from distserve.registry import list_now, spilling_now
+from distserve.spill_policy import SpillPolicy
+
+log = logging.getLogger(__name__)
+
+
+def every_core_busy(client: redis.Redis, policy: SpillPolicy) -> bool:
+    """Whether a router is spilling (its mark in the registry), or the registry's reports show the pairs
+    saturated (SpillPolicy on the least-loaded prefill and decode workers) or spilled work still under
+    way: a prefill worker decoding, or a decode worker prefilling, whole requests of its own (their
+    spill-only records). False without a pair."""
+    if spilling_now(client):  # a router spilled within the last second: the quickest sign
+        return True
+    prefill, decode = list_now(client, "prefill"), list_now(client, "decode")
+    if not prefill or not decode:
+        return False
+    queued = min(w.load.get("outstanding_tokens", 0) for w in prefill)
+    running = min(w.load.get("num_running", 0) + w.load.get("num_waiting", 0) for w in decode)
+    prefill_ids, decode_ids = {w.worker_id for w in prefill}, {w.worker_id for w in decode}
+    spilled = any((w.worker_id in prefill_ids and w.load.get("num_running", 0))
+                  or (w.worker_id in decode_ids and w.load.get("outstanding_tokens", 0))
+                  for w in list_now(client, "colocated") if w.load.get("spill_only"))
+    return spilled or policy.saturated(queued, running)
+
+
+def move_threads(pids: Iterable[int], cpus: list[int]) -> None:
+    """Sets every thread of each process to run on `cpus` (threads started later inherit their
+    creator's cores); processes that are gone meanwhile are skipped."""
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # the thread ended (ESRCH) meanwhile
+                pass
+
+
+class ControlPlacement:
+    """A thread that keeps the control plane on `own` cores and lets it use `every` core while
+    every_core_busy, checking every interval_s."""
+
+    def __init__(self, redis_url: str, pids: Callable[[], list[int]], own: list[int], every: list[int],
+                 policy: SpillPolicy, interval_s: float = 0.1):
+        self._client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+        self._pids = pids
+        self._own, self._every = own, every
+        self._policy = policy
+        self._interval_s = interval_s
+        self.floating = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="control-placement", daemon=True)
+
+    def start(self) -> "ControlPlacement":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._client.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.check()
+            except (redis.RedisError, OSError) as exc:  # Redis restarting: keep the placement as it is
+                log.debug("control placement check failed: %s", exc)
+
+    def check(self) -> None:
+        """Moves the control plane when every_core_busy changed since the last check."""
+        busy = every_core_busy(self._client, self._policy)
+        if busy != self.floating:
+            move_threads(self._pids(), self._every if busy else self._own)
+            self.floating = busy
+            log.info("control plane -> %s (%s)", self._every if busy else self._own,
+                     "every core busy" if busy else "pairs have room")

@@ -1,0 +1,72 @@
+"""Building a colocated engine, whole or around a prefill or decode worker's own engine half.
+
+A prefill or decode worker started with `also_colocated` serves whole requests too (ColocatedService,
+beside its own): its engine half gets the other half over the same runner, and one ColocatedEngine
+loop drives both. It registers a second record, role "colocated" with `spill_only` set: the router
+sends it whole requests only while the prefill/decode pairs are saturated (services.router.picker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from distserve.engine.colocated_engine import ColocatedEngine
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.decode_scheduler import DecodeScheduler
+from distserve.engine.grammars import LazyGrammarCompiler
+from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
+from distserve.engine.model_runner import ModelRunner
+from distserve.engine.model_spec import DTYPES, ModelSpec
+from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
+from distserve.grpc_server import Service
+from distserve.metrics import PREFIX, ColocatedMetrics
+from distserve.registry import WorkerRecord
+from distserve.v1 import colocated_pb2_grpc
+from services.colocated.config import ColocatedConfig
+from services.colocated.server import ColocatedServicer
+
+
+def build_prefill_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelSpec,
+                       grammars: LazyGrammarCompiler, wakeup: asyncio.Event) -> PrefillBatcher:
+    return PrefillBatcher(runner, spec.eos_token_ids, spec.max_context,
+                          config.max_batch_tokens or saturation_tokens(config.device), wakeup, grammars=grammars)
+
+
+def build_decode_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelSpec,
+                      grammars: LazyGrammarCompiler, wakeup: asyncio.Event) -> DecodeEngine:
+    """A decode engine with its own paged cache of config.kv_cache_mb; every sequence reserves its
+    whole life on arrival (no reserve-ahead), so none is ever preempted."""
+    dtype = DTYPES[config.dtype]
+    num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
+    kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
+                            dtype, config.device)
+    scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars)
+
+
+def colocated_load(engine: ColocatedEngine, block_size: int) -> dict[str, float]:
+    """What the router compares across colocated workers and prefill/decode pairs: queued prompt tokens
+    and decode tokens, and what each costs this worker (seconds per token, 0 until measured)."""
+    scheduler, prefill, decode = engine.decode.scheduler, engine.prefill, engine.decode
+    allocator = scheduler.allocator
+    return {"outstanding_tokens": prefill.outstanding_tokens, "num_waiting": prefill.num_waiting,
+            "num_running": len(scheduler.running), "free_blocks": allocator.num_free,
+            "total_blocks": allocator.num_blocks, "block_size": block_size,
+            "decode_tokens_left": decode.tokens_left, "prefill_s_per_token": prefill.cost.per_unit,
+            "decode_s_per_token": decode.cost.per_unit}
+
+
+def also_colocated(config: ColocatedConfig, spec: ModelSpec, engine: ColocatedEngine,
+                   advertise: str) -> tuple[Service, Callable[[], WorkerRecord]]:
+    """The ColocatedService of a prefill or decode worker over `engine`, and its spill-only record
+    (same worker id, role colocated; `advertise` is the worker's host:port)."""
+    servicer = ColocatedServicer(config, spec, engine, ColocatedMetrics(PREFIX + "colocated_"))
+    service = Service(colocated_pb2_grpc.add_ColocatedServiceServicer_to_server, servicer,
+                      "distserve.v1.ColocatedService")
+
+    def record() -> WorkerRecord:
+        load = {**colocated_load(engine, config.block_size), "spill_only": 1}
+        return WorkerRecord(config.resolved_worker_id, "colocated", advertise, "", load, spec.kv_format(config.dtype))
+
+    return service, record
