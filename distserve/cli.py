@@ -40,10 +40,11 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers get every core, decode workers their share, and one forward runs at "
                              "a time, in turn: lower TTFT at light bf16 load, decode stalls while prefill is "
                              "busy (measured trade: README, Side by side)")
-    parser.add_argument("--spill", action="store_true",
+    parser.add_argument("--spill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill and decode workers also serve whole requests, prefilled and decoded in one "
                              "worker, which the router sends them only while the prefill/decode pairs are "
-                             "saturated: under a burst every core prefills and decodes (README, Spilling)")
+                             "saturated: under a burst every core prefills and decodes (default: on; README, "
+                             "Spilling, for the measured trade)")
     parser.add_argument("--control-cpus", default="auto",
                         help="cores for the router, gateway, kvbroker and Redis, e.g. 3; auto (default): cores no "
                              "worker was given, else the decode workers'; any: not pinned. On 2 cores, 1+1, bf16, "
@@ -83,7 +84,8 @@ def _spec(args) -> ClusterSpec:
     if num_prefill + num_decode + args.colocated == 0 or (num_prefill == 0) != (num_decode == 0):
         raise ConfigError("prefill/decode: need at least one prefill and one decode worker, or --colocated N")
     if args.spill and args.take_turns:
-        raise ConfigError("spill: cannot be combined with --take-turns (a spilling worker's loop takes no turns)")
+        raise ConfigError("spill: cannot be combined with --take-turns (a spilling worker's loop takes no turns); "
+                          "add --no-spill")
     return ClusterSpec(model=resolve_model_path(args.model), num_prefill=num_prefill, num_decode=num_decode,
                        num_colocated=args.colocated,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,

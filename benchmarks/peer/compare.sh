@@ -6,7 +6,7 @@
 #   bash benchmarks/peer/compare.sh [OUT_DIR] [DTYPES] [RATES]
 #   bash benchmarks/peer/compare.sh benchmarks/results/peer "float32 bfloat16" "4 inf"
 #   VARIANTS="distserve distserve-turns" bash benchmarks/peer/compare.sh ...  # also with --take-turns
-#   VARIANTS="distserve distserve-spill" bash benchmarks/peer/compare.sh ...  # also with --spill
+#   VARIANTS="distserve distserve-nospill" bash benchmarks/peer/compare.sh ...  # also with --no-spill
 #   ROUNDS=3 bash benchmarks/peer/compare.sh ...  # 3 rounds, OUT_DIR/round1.., order alternating per round
 #
 # Needs the peer venv (bash ../shared/peer-bench/setup.sh) and this project's .venv. Writes one
@@ -54,9 +54,15 @@ run_vllm() {  # DTYPE
 }
 
 run_ours() {  # DTYPE
-  for system in ${VARIANTS:-distserve}; do  # distserve: one core per worker; -turns: --take-turns; -spill: --spill
-    variant=(); [ "$system" = distserve-turns ] && variant=(--take-turns)
-    [ "$system" = distserve-spill ] && variant=(--spill)
+  # distserve: `up`'s defaults (one core per worker, spilling); -spill: the same, named so (runs before
+  # spilling was the default); -nospill: --no-spill; -turns: --take-turns (and --no-spill, which it needs)
+  for system in ${VARIANTS:-distserve}; do
+    variant=()
+    case "$system" in
+      distserve-turns) variant=(--take-turns --no-spill) ;;
+      distserve-nospill) variant=(--no-spill) ;;
+      distserve-spill) variant=(--spill) ;;
+    esac
     setsid .venv/bin/distserve up --model default:small --dtype "$1" --prefill 1 --decode 1 "${variant[@]}" \
       --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system-$1" >"$LOGS/up-$system-$1.log" 2>&1 &
     pid=$!

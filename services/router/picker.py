@@ -141,8 +141,8 @@ class WorkerPicker:
         prefill_s, decode_s = per_token("prefill_s_per_token"), per_token("decode_s_per_token")
         busy = {}
         for w in workers:
-            prompt = w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id]
-            # the router's own count covers requests sent since the last report; a report covers other routers'
+            # max: the router's own count covers requests sent since the last report, a report other routers'
+            prompt = max(w.load.get("outstanding_tokens", 0), self._inflight[w.worker_id])
             decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
             busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_s[w.worker_id]
         return busy

@@ -305,14 +305,16 @@ def test_spill_makes_prefill_and_decode_workers_also_colocated(monkeypatch, tmp_
     assert spawned["prefill-0"][spawned["prefill-0"].index("--also-colocated") + 1] == "true"
 
 
-def test_up_refuses_spill_with_take_turns(tiny_model_path):
+def test_up_spills_by_default_and_refuses_it_with_take_turns(tiny_model_path):
     from distserve import cli
 
     parser = argparse.ArgumentParser()
     cli._add_cluster_args(parser)
-    assert cli._spec(parser.parse_args(["--model", tiny_model_path, "--spill"])).spill
+    assert cli._spec(parser.parse_args(["--model", tiny_model_path])).spill  # on by default
+    assert not cli._spec(parser.parse_args(["--model", tiny_model_path, "--no-spill"])).spill
     with pytest.raises(ConfigError, match="^spill: "):
-        cli._spec(parser.parse_args(["--model", tiny_model_path, "--spill", "--take-turns"]))
+        cli._spec(parser.parse_args(["--model", tiny_model_path, "--take-turns"]))
+    assert cli._spec(parser.parse_args(["--model", tiny_model_path, "--take-turns", "--no-spill"])).take_turns
 
 
 def test_control_plane_follows_spilling_only_when_auto_put_it_on_worker_cores(monkeypatch, tmp_path):
