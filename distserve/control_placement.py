@@ -6,8 +6,9 @@ core, stretched by whatever else runs there, while a decode batch absorbs an int
 its sequences. Under a burst that trade inverts: spilling workers prefill and decode on every core,
 and a control plane held on one of them slows that core's share of the work (README, Spilling:
 bf16 rate inf with spilling, control plane pinned / floating, 470 and 538 / 685 and 599 tok/s). So while
-the registry shows the pairs saturated (distserve.spill_policy, on the workers' reported load) or
-spilled requests still under way, the control plane may run on every core; then it goes back.
+a router marks itself spilling, or the registry shows the pairs saturated (distserve.spill_policy, on
+the workers' reported load) or spilled requests still under way, the control plane may run on every
+core; then it goes back.
 """
 
 from __future__ import annotations

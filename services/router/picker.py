@@ -185,24 +185,23 @@ class WorkerPicker:
                 and (not kv_format or w.kv_format == kv_format) and not full(w)]
         return min(fits, default=None, key=score)
 
-    @contextlib.contextmanager
     def track(self, worker: WorkerRecord, amount: int):
         """Counts `amount` of work as in flight on worker for the duration of the block."""
-        self._inflight[worker.worker_id] += amount
-        try:
-            yield
-        finally:
-            self._inflight[worker.worker_id] -= amount
+        return _counted(self._inflight, worker.worker_id, amount)
 
-    @contextlib.contextmanager
     def track_decode(self, worker: WorkerRecord, num_tokens: int):
         """Counts num_tokens of decoding (a request's max_tokens) as in flight on worker for the block."""
-        self._inflight_decode_tokens[worker.worker_id] += num_tokens
-        try:
-            yield
-        finally:
-            self._inflight_decode_tokens[worker.worker_id] -= num_tokens
+        return _counted(self._inflight_decode_tokens, worker.worker_id, num_tokens)
 
     def mark_suspect(self, worker: WorkerRecord) -> None:
         log.warning("worker %s unreachable; skipping it for %.1fs", worker.worker_id, self._suspect_s)
         self._suspect_until[worker.worker_id] = time.monotonic() + self._suspect_s
+
+
+@contextlib.contextmanager
+def _counted(counter: collections.Counter, key: str, amount: int):
+    counter[key] += amount
+    try:
+        yield
+    finally:
+        counter[key] -= amount
