@@ -14,12 +14,12 @@ core; then it goes back.
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from typing import Callable, Iterable
+from typing import Callable
 
 import redis
 
+from distserve.cpus import move_threads
 from distserve.registry import list_now, spilling_now
 from distserve.spill_policy import SpillPolicy
 
@@ -43,21 +43,6 @@ def every_core_busy(client: redis.Redis, policy: SpillPolicy) -> bool:
                   or (w.worker_id in decode_ids and w.load.get("outstanding_tokens", 0))
                   for w in list_now(client, "colocated") if w.load.get("spill_only"))
     return spilled or policy.saturated(queued, running)
-
-
-def move_threads(pids: Iterable[int], cpus: list[int]) -> None:
-    """Sets every thread of each process to run on `cpus` (threads started later inherit their
-    creator's cores); processes that are gone meanwhile are skipped."""
-    for pid in pids:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:  # the thread ended (ESRCH) meanwhile
-                pass
 
 
 class ControlPlacement:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Iterable
 
 from distserve.config import ConfigError
 
@@ -148,3 +149,18 @@ def _thread_ids() -> list[int]:
         return [int(name) for name in os.listdir("/proc/self/task")]
     except FileNotFoundError:
         return [0]
+
+
+def move_threads(pids: Iterable[int], cpus: list[int]) -> None:
+    """Sets every thread of each of these (other) processes to run on `cpus`; threads started later
+    inherit their creator's cores. Processes and threads that are gone meanwhile are skipped."""
+    for pid in pids:
+        try:
+            thread_ids = [int(name) for name in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for thread_id in thread_ids:
+            try:
+                os.sched_setaffinity(thread_id, cpus)
+            except OSError:  # the thread ended (ESRCH) meanwhile
+                pass

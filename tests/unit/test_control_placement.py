@@ -10,7 +10,8 @@ import sys
 import pytest
 import redis
 
-from distserve.control_placement import ControlPlacement, every_core_busy, move_threads
+from distserve.control_placement import ControlPlacement, every_core_busy
+from distserve.cpus import move_threads
 from distserve.registry import WorkerRecord, WorkerRegistry, list_now
 from distserve.spill_policy import SpillPolicy
 
