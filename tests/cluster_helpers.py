@@ -90,7 +90,8 @@ def assert_clean(cluster: Cluster, timeout_s: float = 5.0) -> None:
         time.sleep(0.1)
 
 
-def wait_recovered(cluster: Cluster, num_prefill: int, num_decode: int, timeout_s: float = 60) -> None:
+def wait_recovered(cluster: Cluster, num_prefill: int, num_decode: int, timeout_s: float = 60,
+                   num_colocated: int = 0) -> None:
     """Waits until every child runs, every gRPC service is SERVING, the gateway answers and the registry
     lists the workers: the state a supervised cluster returns to after a restart."""
     deadline = time.monotonic() + timeout_s
@@ -103,7 +104,8 @@ def wait_recovered(cluster: Cluster, num_prefill: int, num_decode: int, timeout_
             cluster.wait_healthy(process, max(1.0, deadline - time.monotonic()))
     if cluster.gateway_url:
         _wait_gateway(cluster.gateway_url, deadline)
-    wait_for_workers(cluster, num_prefill, num_decode, timeout_s=max(1.0, deadline - time.monotonic()))
+    wait_for_workers(cluster, num_prefill, num_decode, timeout_s=max(1.0, deadline - time.monotonic()),
+                     num_colocated=num_colocated)
 
 
 def _wait_gateway(url: str, deadline: float) -> None:
@@ -119,11 +121,11 @@ def _wait_gateway(url: str, deadline: float) -> None:
 
 
 @contextlib.contextmanager
-def running_cluster(spec: ClusterSpec, num_prefill: int, num_decode: int) -> Iterator[Cluster]:
+def running_cluster(spec: ClusterSpec, num_prefill: int, num_decode: int, num_colocated: int = 0) -> Iterator[Cluster]:
     """Starts `spec`, waits until its workers are registered, yields it, and stops it whatever happens."""
     cluster = Cluster(spec).start()
     try:
-        wait_for_workers(cluster, num_prefill, num_decode)
+        wait_for_workers(cluster, num_prefill, num_decode, num_colocated=num_colocated)
         yield cluster
     finally:
         cluster.stop()

@@ -40,7 +40,10 @@ class WorkerPicker:
         self._suspect_s = suspect_s
         self._spill = spill
         self._workers: dict[str, list[WorkerRecord]] = {"prefill": [], "decode": [], "colocated": []}
-        self._inflight: collections.Counter[str] = collections.Counter()
+        # this router's work in flight per worker id, one counter per kind: a worker's spill-only
+        # colocated record shares its id (and its queue and batch) with its prefill or decode record
+        self._inflight_prompt_tokens: collections.Counter[str] = collections.Counter()
+        self._inflight_streams: collections.Counter[str] = collections.Counter()
         self._inflight_decode_tokens: collections.Counter[str] = collections.Counter()
         self._spill_announced_at = -SPILL_ANNOUNCE_S
         self._suspect_until: dict[str, float] = {}
@@ -70,14 +73,14 @@ class WorkerPicker:
         """The prefill worker with the fewest outstanding prompt tokens among those with room for
         num_tokens more; None when none has (see `prefill_has_room`)."""
         roomy = [w for w in self.workers("prefill") if self.prefill_has_room(w, num_tokens)]
-        return min(roomy, default=None, key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id])
+        return min(roomy, default=None, key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[w.worker_id])
 
     def prefill_has_room(self, worker: WorkerRecord, num_tokens: int) -> bool:
         """Whether the worker's published caps admit num_tokens more prompt tokens: its queue (an
         idle one takes any prompt) and its held KV. The worker enforces both; checking here turns
         excess load away without a call."""
         load = worker.load
-        queued = load.get("outstanding_tokens", 0) + self._inflight[worker.worker_id]
+        queued = load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[worker.worker_id]
         queue_cap = load.get("max_queued_tokens", 0)
         held_cap = load.get("max_held_bytes", 0)
         return not ((queue_cap and queued and queued + num_tokens > queue_cap)
@@ -87,7 +90,7 @@ class WorkerPicker:
         """The colocated worker with the fewest outstanding prompt tokens (then fewest decoding) whose
         KV cache can hold num_tokens at all."""
         def score(w: WorkerRecord):
-            return (w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id], w.load.get("num_running", 0))
+            return (w.load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[w.worker_id], w.load.get("num_running", 0))
 
         return min(self._colocated_fitting(num_tokens, spill_only=False), default=None, key=score)
 
@@ -125,9 +128,9 @@ class WorkerPicker:
             return True
         # max, not sum: a report and this router's in-flight count mostly cover the same requests, and
         # counting them twice would spill at half the marks
-        queued = max(prefill.load.get("outstanding_tokens", 0), self._inflight[prefill.worker_id])
+        queued = max(prefill.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[prefill.worker_id])
         running = max(decode.load.get("num_running", 0) + decode.load.get("num_waiting", 0),
-                      self._inflight[decode.worker_id])
+                      self._inflight_streams[decode.worker_id])
         return self._spill.saturated(queued, running)
 
     def busy_seconds(self, workers: list[WorkerRecord]) -> dict[str, float]:
@@ -142,7 +145,7 @@ class WorkerPicker:
         busy = {}
         for w in workers:
             # max: the router's own count covers requests sent since the last report, a report other routers'
-            prompt = max(w.load.get("outstanding_tokens", 0), self._inflight[w.worker_id])
+            prompt = max(w.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[w.worker_id])
             decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
             busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_s[w.worker_id]
         return busy
@@ -155,7 +158,7 @@ class WorkerPicker:
             return colocated is not None
 
         def outstanding(w: WorkerRecord) -> float:
-            return w.load.get("outstanding_tokens", 0) + self._inflight[w.worker_id]
+            return w.load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[w.worker_id]
 
         return outstanding(colocated) < outstanding(prefill)
 
@@ -172,7 +175,7 @@ class WorkerPicker:
             return -(-num_tokens // size)
 
         def score(w: WorkerRecord):
-            running = w.load.get("num_running", 0) + w.load.get("num_waiting", 0) + self._inflight[w.worker_id]
+            running = w.load.get("num_running", 0) + w.load.get("num_waiting", 0) + self._inflight_streams[w.worker_id]
             free = w.load.get("free_blocks", 0)
             return (free < blocks(w), running, -free)
 
@@ -185,9 +188,13 @@ class WorkerPicker:
                 and (not kv_format or w.kv_format == kv_format) and not full(w)]
         return min(fits, default=None, key=score)
 
-    def track(self, worker: WorkerRecord, amount: int):
-        """Counts `amount` of work as in flight on worker for the duration of the block."""
-        return _counted(self._inflight, worker.worker_id, amount)
+    def track_prompt(self, worker: WorkerRecord, num_tokens: int):
+        """Counts num_tokens of prompt as in flight on worker (until its first token) for the block."""
+        return _counted(self._inflight_prompt_tokens, worker.worker_id, num_tokens)
+
+    def track_stream(self, worker: WorkerRecord):
+        """Counts one decoding stream as open on worker for the block."""
+        return _counted(self._inflight_streams, worker.worker_id, 1)
 
     def track_decode(self, worker: WorkerRecord, num_tokens: int):
         """Counts num_tokens of decoding (a request's max_tokens) as in flight on worker for the block."""

@@ -153,7 +153,23 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return colocated
 
     async def _run_colocated(self, req: RequestState, worker: WorkerRecord, context):
-        """Streams the whole request from one colocated worker."""
+        """Streams the whole request from one colocated worker. If the worker fails in a way another
+        can make up for, and prefill/decode pairs are registered, the request moves to a pair: the
+        prompt plus the completion so far is prefilled again and decoding continues there (request
+        migration, as in `_run`); the client sees one stream."""
+        try:
+            async for message in self._colocated_attempt(req, worker):
+                yield message
+            return
+        except StageFailed as failure:
+            if not self._picker.workers("decode"):
+                await self._abort_for(failure, context)  # colocated-only fleet: nowhere to resume
+            prefill_worker, decode_worker = await self._replace_workers(req, failure, context)
+        async for message in self._run(req, prefill_worker, decode_worker, context):
+            yield message
+
+    async def _colocated_attempt(self, req: RequestState, worker: WorkerRecord):
+        """One PrefillAndDecode call; raises StageFailed if the worker fails."""
         stub = colocated_pb2_grpc.ColocatedServiceStub(self._channels.get(worker.address))
         call = stub.PrefillAndDecode(colocated_pb2.PrefillAndDecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt, sampling=sampling_to_proto(req.params),
@@ -163,14 +179,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 async for message in self._colocated_messages(req, worker, call):
                     yield message
         except grpc.aio.AioRpcError as exc:
-            await self._abort_for(StageFailed.of(exc, worker, "colocated"), context)
+            raise StageFailed.of(exc, worker, "colocated") from exc
         finally:
             call.cancel()
 
     async def _colocated_messages(self, req: RequestState, worker: WorkerRecord, call):
         """The colocated call's responses as the request's messages, to its last."""
         timings = req.timings
-        with self._picker.track(worker, len(req.prompt)):  # until the first token: prompt tokens in flight
+        with self._picker.track_prompt(worker, len(req.prompt)):  # until the first token: prompt tokens in flight
             response = await call.read()
         while response is not grpc.aio.EOF:
             finish = finish_from_proto(response.finish_reason)
@@ -233,7 +249,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 # The router names the KV handle, so it can release it whatever happens to the prefill call.
                 handle_id, secret = uuid.uuid4().hex, secrets.token_hex(16)
                 try:
-                    with self._picker.track(decode_worker, 1), \
+                    with self._picker.track_stream(decode_worker), \
                             self._picker.track_decode(decode_worker, req.params.max_tokens * len(req.completions)):
                         async for message in self._attempt(req, prefill_worker, decode_worker, handle_id, secret):
                             yield message
@@ -256,7 +272,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         call = None
         try:
             # In flight from the pick on, connecting included: requests picked meanwhile see it.
-            with self._picker.track(prefill_worker, len(req.prompt) + len(req.outputs)):
+            with self._picker.track_prompt(prefill_worker, len(req.prompt) + len(req.outputs)):
                 call = await self._prefill(req, prefill_worker, handle_id, secret)
                 first = await self._prefill_part(call, prefill_worker)
             if first is grpc.aio.EOF:

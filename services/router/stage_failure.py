@@ -11,10 +11,12 @@ from distserve.registry import WorkerRecord
 # Decode only: DATA_LOSS: the KV's owner could not deliver it (died, stalled past the transfer
 # timeout, refused, or its bytes failed their checksum); ABORTED: the claim failed or the worker
 # preempted the request (its cache filled up); NOT_FOUND: the handle is gone; DEADLINE_EXCEEDED:
-# the router's idle watchdog found the worker silent (stalled). Workers use these codes for nothing else.
+# the router's idle watchdog found the worker silent (stalled). Colocated: a worker that died moves
+# its requests to a prefill/decode pair (services.router.server). Workers use these codes for nothing else.
 RETRYABLE = {"prefill": {grpc.StatusCode.UNAVAILABLE},
              "decode": {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
-                        grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}}
+                        grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED},
+             "colocated": {grpc.StatusCode.UNAVAILABLE}}
 
 
 class StageFailed(Exception):
@@ -23,7 +25,7 @@ class StageFailed(Exception):
     def __init__(self, code: grpc.StatusCode, details: str, worker: WorkerRecord, stage: str):
         super().__init__(f"{stage} worker {worker.worker_id}: {details}")
         self.code, self.details, self.worker, self.stage = code, details, worker, stage
-        self.retryable = code in RETRYABLE.get(stage, ())  # colocated: no migration yet
+        self.retryable = code in RETRYABLE.get(stage, ())
 
     @classmethod
     def of(cls, error: grpc.aio.AioRpcError, worker: WorkerRecord, stage: str) -> "StageFailed":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from distserve.registry import WorkerRecord
 from distserve.spill_policy import SpillPolicy
 from services.router.picker import WorkerPicker
@@ -29,7 +31,7 @@ def test_prefill_with_fewest_outstanding_tokens_counting_in_flight():
     b = WorkerRecord("b", "prefill", "b:1", load={"outstanding_tokens": 50})
     picker = picker_with([a, b], [])
     assert picker.pick_prefill() is b
-    with picker.track(b, 80):
+    with picker.track_prompt(b, 80):
         assert picker.pick_prefill() is a
 
 
@@ -69,7 +71,7 @@ def test_colocated_with_fewest_outstanding_tokens_that_can_hold_the_request():
     picker = picker_with([], [], [busy, idle, tiny])
     assert picker.pick_colocated(num_tokens=10) is tiny  # fewest outstanding, then fewest running
     assert picker.pick_colocated(num_tokens=100) is idle  # tiny holds only 16 tokens
-    with picker.track(idle, 600):
+    with picker.track_prompt(idle, 600):
         assert picker.pick_colocated(num_tokens=100) is busy
     assert picker.pick_colocated(num_tokens=5000) is None
 
@@ -79,7 +81,7 @@ def test_mixed_fleet_prefers_the_less_loaded_kind_and_ties_go_to_the_pair():
     picker = picker_with([pair], [decode("d")], [colocated("c", outstanding=100)])
     both = picker.workers("colocated")[0], pair
     assert not picker.prefers_colocated(*both)
-    with picker.track(pair, 1):
+    with picker.track_prompt(pair, 1):
         assert picker.prefers_colocated(*both)
     assert picker.prefers_colocated(both[0], None) and not picker.prefers_colocated(None, pair)
 
@@ -113,9 +115,9 @@ def test_a_long_prompt_queue_or_a_full_decode_batch_saturates_the_pair():
     assert spill_fleet(prefill_outstanding=1024).pairs_saturated(100, 200)
     assert spill_fleet(decode_running=32).pairs_saturated(100, 200)
     in_flight = spill_fleet(prefill_outstanding=1000)
-    with in_flight.track(in_flight.workers("prefill")[0], 1000):  # the report and the router's count overlap
+    with in_flight.track_prompt(in_flight.workers("prefill")[0], 1000):  # the report and the router's count overlap
         assert not in_flight.pairs_saturated(100, 200)
-    with in_flight.track(in_flight.workers("prefill")[0], 1024):  # sent since the last report
+    with in_flight.track_prompt(in_flight.workers("prefill")[0], 1024):  # sent since the last report
         assert in_flight.pairs_saturated(100, 200)
     never = spill_fleet(prefill_outstanding=10**6, decode_running=10**3, policy=SpillPolicy(0, 0))
     assert not never.pairs_saturated(100, 200)
@@ -169,3 +171,28 @@ async def test_spilling_is_announced_in_the_registry_at_most_every_quarter_secon
     clock[0] += 0.25
     await picker.announce_spill()
     assert marks == [1.0, 1.0]
+
+
+def test_a_prompt_spilled_to_a_decode_worker_is_no_open_stream_there():
+    # the decode worker's spill-only record shares its worker id: a 256-token prompt in flight on it
+    # must not read as 256 open decode streams (which would saturate the pair), and streams not as prompt
+    picker = spill_fleet()
+    d, d_spill = picker.workers("decode")[0], picker.workers("colocated")[1]
+    with picker.track_prompt(d_spill, 256):
+        assert not picker.pairs_saturated(100, 200)
+        assert picker.busy_seconds([d_spill]) == {"d": 256.0}  # unmeasured: 1 s per token
+    with picker.track_stream(d):
+        assert picker.busy_seconds([d_spill]) == {"d": 0.0}
+        with picker.track_stream(d):
+            assert picker.pick_decode(200) is d
+
+
+def test_open_streams_count_toward_the_decode_mark():
+    picker = spill_fleet(decode_running=30)
+    d = picker.workers("decode")[0]
+    with picker.track_stream(d), picker.track_stream(d):  # the report and the router's count overlap
+        assert not picker.pairs_saturated(100, 200)
+    with contextlib.ExitStack() as streams:
+        for _ in range(32):
+            streams.enter_context(picker.track_stream(d))
+        assert picker.pairs_saturated(100, 200)  # opened since the last report

@@ -24,7 +24,9 @@ Code = grpc.StatusCode
     ("decode", Code.DEADLINE_EXCEEDED, True),      # silent past the idle timeout
     ("decode", Code.RESOURCE_EXHAUSTED, False),
     ("decode", Code.FAILED_PRECONDITION, False),   # layout mismatch: a configuration error
-    ("colocated", Code.UNAVAILABLE, False),        # no migration for colocated workers yet
+    ("colocated", Code.UNAVAILABLE, True),         # died: the request moves to a prefill/decode pair
+    ("colocated", Code.RESOURCE_EXHAUSTED, False),
+    ("colocated", Code.INVALID_ARGUMENT, False),
 ])
 def test_retryable_failures(stage, code, retryable):
     failure = StageFailed(code, "details", WORKER, stage)
