@@ -73,14 +73,19 @@ class WorkerPicker:
         """The prefill worker with the fewest outstanding prompt tokens among those with room for
         num_tokens more; None when none has (see `prefill_has_room`)."""
         roomy = [w for w in self.workers("prefill") if self.prefill_has_room(w, num_tokens)]
-        return min(roomy, default=None, key=lambda w: w.load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[w.worker_id])
+        return min(roomy, default=None, key=self._prompt_tokens_ahead)
+
+    def _prompt_tokens_ahead(self, w: WorkerRecord) -> float:
+        """Prompt tokens a worker has outstanding: its report plus what this router sent since (a
+        sum: where two figures may cover the same requests, the spill rules take the max)."""
+        return w.load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[w.worker_id]
 
     def prefill_has_room(self, worker: WorkerRecord, num_tokens: int) -> bool:
         """Whether the worker's published caps admit num_tokens more prompt tokens: its queue (an
         idle one takes any prompt) and its held KV. The worker enforces both; checking here turns
         excess load away without a call."""
         load = worker.load
-        queued = load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[worker.worker_id]
+        queued = self._prompt_tokens_ahead(worker)
         queue_cap = load.get("max_queued_tokens", 0)
         held_cap = load.get("max_held_bytes", 0)
         return not ((queue_cap and queued and queued + num_tokens > queue_cap)
@@ -90,7 +95,7 @@ class WorkerPicker:
         """The colocated worker with the fewest outstanding prompt tokens (then fewest decoding) whose
         KV cache can hold num_tokens at all."""
         def score(w: WorkerRecord):
-            return (w.load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[w.worker_id], w.load.get("num_running", 0))
+            return self._prompt_tokens_ahead(w), w.load.get("num_running", 0)
 
         return min(self._colocated_fitting(num_tokens, spill_only=False), default=None, key=score)
 
@@ -156,11 +161,7 @@ class WorkerPicker:
         pair, whose decode steps no prompt lengthens."""
         if colocated is None or prefill is None:
             return colocated is not None
-
-        def outstanding(w: WorkerRecord) -> float:
-            return w.load.get("outstanding_tokens", 0) + self._inflight_prompt_tokens[w.worker_id]
-
-        return outstanding(colocated) < outstanding(prefill)
+        return self._prompt_tokens_ahead(colocated) < self._prompt_tokens_ahead(prefill)
 
     def pick_decode(self, num_tokens: int = 0, kv_format: str = "") -> WorkerRecord | None:
         """The least-loaded decode worker whose KV cache can hold num_tokens at all, and takes KV of

@@ -175,7 +175,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             request_id=req.request_id, prompt_token_ids=req.prompt, sampling=sampling_to_proto(req.params),
         ), timeout=self._config.request_timeout_s)
         try:
-            with self._picker.track_decode(worker, req.params.max_tokens):
+            # a stream in the worker's one decode batch (a decode worker's spilled requests share it)
+            with self._picker.track_stream(worker), self._picker.track_decode(worker, req.params.max_tokens):
                 async for message in self._colocated_messages(req, worker, call):
                     yield message
         except grpc.aio.AioRpcError as exc:
