@@ -42,7 +42,9 @@ def build_decode_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelS
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
                             dtype, config.device)
     scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
-    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars)
+    engine = DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars)
+    engine.calibrate_cost()
+    return engine
 
 
 def colocated_load(engine: ColocatedEngine, block_size: int) -> dict[str, float]:

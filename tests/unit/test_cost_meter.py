@@ -54,3 +54,14 @@ def test_a_cost_never_goes_negative():
         below_the_origin.observe(seconds, batch)
     assert below_the_origin.fixed == 0.0
     assert below_the_origin.per_unit == pytest.approx((0.5 * 10 * 0.005 + 20 * 0.02) / (0.5 * 10 ** 2 + 20 ** 2))
+
+
+def test_a_prior_gives_the_slope_that_forwards_of_one_size_cannot():
+    meter = CostMeter()
+    meter.set_prior([(1, 0.008), (32, 0.055)])  # start-up: 8 ms at batch 1, 55 ms at batch 32
+    assert meter.seconds(1) == pytest.approx(0.008) and meter.seconds(32) == pytest.approx(0.055)
+    for _ in range(50):
+        meter.observe(0.010, 1)  # served at batch 1 only, a little slower than at start-up
+    assert meter.seconds(1) == pytest.approx(0.010, rel=0.05)
+    assert meter.per_unit > 0.001  # a batch of 32 still costs more than one of 1, though none was served
+    assert meter.seconds(32) > 4 * meter.seconds(1)
