@@ -16,7 +16,7 @@ from distserve.engine.compute_thread import ComputeThread
 from distserve.engine.core_turns import CoreTurns, NoTurns
 from distserve.engine.cost_meter import CostMeter
 from distserve.engine.grammars import LazyGrammarCompiler
-from distserve.engine.kv_cache import PagedKvCache, blocks_needed
+from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs
 from distserve.engine.model_runner import DecodeWork, ModelRunner
 from distserve.engine.sampling import SampleRow, banned_token_ids, finish_reason_for, sample_tokens
@@ -24,15 +24,6 @@ from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-# What `DecodeEngine.calibrate_cost` times decode steps at: the two ends of the batches a CPU worker
-# serves, each sequence at a prompt length like the benchmarks'.
-CALIBRATION_BATCHES = (1, 32)
-CALIBRATION_CONTEXT = 256
-# How many served steps each calibrated one counts as in the cost fit (the meter weighs ~10 recent
-# ones): served step times on a shared 2-core box swing with the other processes, and a fit of a few
-# noisy steps at nearby batches drifted to 24 ms + 0.5 ms per sequence from a calibrated 8 + 0.8.
-PRIOR_WEIGHT = 10.0
 
 
 class StepStats:
@@ -84,36 +75,7 @@ class DecodeEngine:
         self.step_stats = StepStats()
         self._step_compute_s = 0.0
         self.num_reserving = 0  # requests waiting for free blocks
-        self.cost = CostMeter()  # a step's seconds: fixed + per sequence, published for the router
-
-    def calibrate_cost(self, repeats: int = 3) -> None:
-        """Times decode steps at CALIBRATION_BATCHES (fewer sequences where the cache is small) and gives
-        the fastest of each to the cost meter as its prior: a worker that serves one batch size for a
-        while would show no slope (distserve.engine.cost_meter). Call before the first request: it
-        borrows free blocks and writes noise into them."""
-        cache = self.kv_cache
-        per_seq = blocks_needed(CALIBRATION_CONTEXT + 1, cache.block_size)
-        batches = sorted({min(b, cache.allocator.num_free // per_seq) for b in CALIBRATION_BATCHES} - {0})
-        if len(batches) < 2:
-            return
-        blocks = cache.allocator.allocate(batches[-1] * per_seq)
-        try:
-            cache.fill_random_(blocks=blocks)  # served attention reads real memory, not the zero page
-            prior = [(batch, self._fastest_step(blocks, per_seq, batch, repeats)) for batch in batches]
-        finally:
-            cache.allocator.free(blocks)
-        self.cost.set_prior(prior, weight=PRIOR_WEIGHT)
-        log.info("decode step cost: %.2f ms + %.3f ms per sequence (calibrated at batches %s)",
-                 1e3 * self.cost.fixed, 1e3 * self.cost.per_unit, batches)
-
-    def _fastest_step(self, blocks: list[int], per_seq: int, batch: int, repeats: int) -> float:
-        tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            self.runner.decode(self.kv_cache, tables, [CALIBRATION_CONTEXT] * batch, [0] * batch)
-            times.append(time.perf_counter() - started)
-        return min(times)
+        self.cost = CostMeter()  # seconds per decoded token (a step over its batch), published for the router
 
     async def reserve(self, num_blocks: int) -> list[int]:
         """Waits until num_blocks are free and takes them (callers bound the wait with a timeout)."""

@@ -98,17 +98,12 @@ class PagedKvCache:
         num_layers, _, num_blocks, bs, heads, head_dim = self.storage.shape
         return self.storage.view(num_layers, 2, num_blocks * bs, heads, head_dim)
 
-    def fill_random_(self, seed: int = 0, blocks: list[int] | None = None) -> None:
-        """Fills `blocks` (default: every block but the pad block) with normal noise, for profiles,
-        benchmarks and cost calibration: their steps must read memory as a served cache's do.
-        Untouched storage maps the kernel's one zero page, so attention would read from L1 and look
-        several times cheaper than it is."""
+    def fill_random_(self, seed: int = 0) -> None:
+        """Fills every block but the pad block with normal noise, for profiles and benchmarks: their
+        steps must read memory as a served cache's do. Untouched storage maps the kernel's one zero
+        page, so attention would read from L1 and look several times cheaper than it is."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        if blocks is None:
-            self.storage[:, :, :self.pad_block].normal_(generator=generator)
-            return
-        noise = torch.empty_like(self.storage[:, :, :len(blocks)]).normal_(generator=generator)
-        self.storage[:, :, blocks] = noise
+        self.storage[:, :, :self.pad_block].normal_(generator=generator)
 
     def layer(self, layer: int) -> torch.Tensor:
         """One layer's blocks: [2, num_blocks + 1, block_size, H, D] (a view)."""

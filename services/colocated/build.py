@@ -42,22 +42,19 @@ def build_decode_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelS
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
                             dtype, config.device)
     scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
-    engine = DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars)
-    engine.calibrate_cost()
-    return engine
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars)
 
 
 def colocated_load(engine: ColocatedEngine, block_size: int) -> dict[str, float]:
     """What the router compares across colocated workers and prefill/decode pairs: queued prompt tokens
-    and decode tokens, and what each costs this worker (0 until measured): seconds per prompt token, and
-    a decode step's seconds as fixed + per sequence (distserve.engine.cost_meter)."""
+    and decode tokens, and what each costs this worker (seconds per token, 0 until measured)."""
     scheduler, prefill, decode = engine.decode.scheduler, engine.prefill, engine.decode
     allocator = scheduler.allocator
     return {"outstanding_tokens": prefill.outstanding_tokens, "num_waiting": prefill.num_waiting,
             "num_running": len(scheduler.running), "free_blocks": allocator.num_free,
             "total_blocks": allocator.num_blocks, "block_size": block_size,
             "decode_tokens_left": decode.tokens_left, "prefill_s_per_token": prefill.cost.per_unit,
-            "decode_s_per_step": decode.cost.fixed, "decode_s_per_seq": decode.cost.per_unit}
+            "decode_s_per_token": decode.cost.per_unit}
 
 
 def also_colocated(config: ColocatedConfig, spec: ModelSpec, engine: ColocatedEngine,

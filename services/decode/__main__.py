@@ -50,10 +50,8 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGra
                                 config.reserve_ahead_tokens)
     runner = ModelRunner(model)
     runner.warm_up()
-    engine = DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup,
-                          grammars=grammars, turns=core_turns(config.core_turns))
-    engine.calibrate_cost()
-    return engine
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars=grammars,
+                        turns=core_turns(config.core_turns))
 
 
 async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:

@@ -8,10 +8,9 @@ registry entry may outlive it by up to one lease).
 Spilling: a prefill or decode worker started with also_colocated registers a second, spill-only
 colocated record. Those take whole requests only while the prefill/decode pairs are saturated (a
 prompt queue or a decode batch past distserve.spill_policy's marks), and then the one expected to be free
-first: its queued prompt and decode tokens times what each costs it (measured by the worker, a decode
-token at the worker's batch). At light load every request keeps to the pairs, whose decode steps no
-prompt lengthens; under a burst both halves of a pair prefill and decode, instead of one core
-decoding while the other idles.
+first: its queued prompt and decode tokens times what each costs it (measured by the worker). At
+light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
+both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """
 
 from __future__ import annotations
@@ -140,22 +139,21 @@ class WorkerPicker:
         return self._spill.saturated(queued, running)
 
     def busy_seconds(self, workers: list[WorkerRecord]) -> dict[str, float]:
-        """Each worker's expected time to clear its queued work: its outstanding prompt tokens times what
-        a prompt token costs it, plus its decode tokens left times what a decoded token costs it at its
-        batch (a step's fixed cost shared by the batch, plus each sequence's own: both measured by the
-        worker, distserve.engine.cost_meter). A cost not measured yet is taken as the costliest
-        measured among `workers`, or 1 s per token: unknown is not free."""
-        prompt, decode, prefill_s, decode_s = {}, {}, {}, {}
+        """Each worker's expected time to clear its queued work: outstanding prompt tokens and decode tokens
+        left, each times the worker's own measured cost per token (one not measured yet is taken as
+        the costliest measured among `workers`, or 1 s: unknown is not free)."""
+        def per_token(key: str) -> dict[str, float]:
+            fallback = max((w.load.get(key, 0) for w in workers), default=0) or 1.0
+            return {w.worker_id: w.load.get(key, 0) or fallback for w in workers}
+
+        prefill_s, decode_s = per_token("prefill_s_per_token"), per_token("decode_s_per_token")
+        busy = {}
         for w in workers:
-            wid = w.worker_id
             # max: the router's own count covers requests sent since the last report, a report other routers'
-            prompt[wid] = max(w.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[wid])
-            decode[wid] = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[wid])
-            batch = max(w.load.get("num_running", 0) + w.load.get("num_waiting", 0), self._inflight_streams[wid], 1)
-            prefill_s[wid] = w.load.get("prefill_s_per_token", 0)
-            decode_s[wid] = w.load.get("decode_s_per_step", 0) / batch + w.load.get("decode_s_per_seq", 0)
-        prefill_s, decode_s = _unknown_as_costliest(prefill_s), _unknown_as_costliest(decode_s)
-        return {wid: prompt[wid] * prefill_s[wid] + decode[wid] * decode_s[wid] for wid in prompt}
+            prompt = max(w.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[w.worker_id])
+            decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
+            busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_s[w.worker_id]
+        return busy
 
     def prefers_colocated(self, colocated: WorkerRecord | None, prefill: WorkerRecord | None) -> bool:
         """In a mixed fleet, whether a request goes to `colocated` rather than the prefill/decode pair:
@@ -206,12 +204,6 @@ class WorkerPicker:
     def mark_suspect(self, worker: WorkerRecord) -> None:
         log.warning("worker %s unreachable; skipping it for %.1fs", worker.worker_id, self._suspect_s)
         self._suspect_until[worker.worker_id] = time.monotonic() + self._suspect_s
-
-
-def _unknown_as_costliest(costs: dict[str, float]) -> dict[str, float]:
-    """Costs per worker with each unmeasured one (0) set to the costliest measured, or 1 s."""
-    costliest = max(costs.values(), default=0) or 1.0
-    return {wid: cost or costliest for wid, cost in costs.items()}
 
 
 @contextlib.contextmanager

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
 from distserve.registry import WorkerRecord
 from distserve.spill_policy import SpillPolicy
 from services.router.picker import WorkerPicker
@@ -89,11 +87,9 @@ def test_mixed_fleet_prefers_the_less_loaded_kind_and_ties_go_to_the_pair():
 
 
 def spill_record(worker_id: str, outstanding: int = 0, decode_left: int = 0, prefill_s: float = 0.0,
-                 decode_s: float = 0.0, total: int = 100, step_s: float = 0.0, running: int = 0):
-    """decode_s: a decode step's seconds per sequence; step_s: its fixed seconds."""
+                 decode_s: float = 0.0, total: int = 100):
     load = {"outstanding_tokens": outstanding, "decode_tokens_left": decode_left, "prefill_s_per_token": prefill_s,
-            "decode_s_per_step": step_s, "decode_s_per_seq": decode_s, "num_running": running,
-            "total_blocks": total, "block_size": 16, "spill_only": 1}
+            "decode_s_per_token": decode_s, "total_blocks": total, "block_size": 16, "spill_only": 1}
     return WorkerRecord(worker_id, "colocated", f"{worker_id}:1", load=load)
 
 
@@ -142,19 +138,6 @@ def test_spill_goes_to_the_worker_expected_to_be_free_first():
     assert picker.pick_spill(100, 200).worker_id == "p"
     with picker.track_decode(spill[0], 500):  # 0.5 s more decoding sent to p since its report
         assert picker.pick_spill(100, 200).worker_id == "d"
-
-
-def test_a_decode_token_costs_the_step_shared_by_the_batch_plus_its_own_share():
-    # the same measured line (7 ms a step + 1 ms a sequence); p decodes 1 sequence, d 20: 64 steps each left
-    spill = [spill_record("p", decode_left=64, step_s=7e-3, decode_s=1e-3, running=1),
-             spill_record("d", decode_left=20 * 64, step_s=7e-3, decode_s=1e-3, running=20)]
-    picker = spill_fleet(spill=spill)
-    assert picker.busy_seconds(spill) == pytest.approx({"p": 64 * 8e-3, "d": 64 * 27e-3})
-    with picker.track_stream(spill[0]), picker.track_stream(spill[0]):  # 2 streams sent since p's report
-        assert picker.busy_seconds(spill)["p"] == pytest.approx(64 * (3.5e-3 + 1e-3))
-    idle = [spill_record("p", step_s=7e-3, decode_s=1e-3)]
-    with picker.track_decode(idle[0], 64):  # an empty batch counts as one sequence
-        assert picker.busy_seconds(idle) == pytest.approx({"p": 64 * 8e-3})
 
 
 def test_a_worker_without_measured_costs_is_taken_as_the_costliest_measured():
