@@ -8,6 +8,8 @@ a few times with a short backoff, so a Redis restart costs callers a pause, not 
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -21,3 +23,15 @@ def connect(url: str, **options) -> aioredis.Redis:
     redis-py's (timeouts, ...)."""
     return aioredis.from_url(url, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES),
                              retry_on_error=[ConnectionError, TimeoutError], **options)
+
+
+def raise_if_cancelled() -> None:
+    """Raises CancelledError if the running task has a cancellation pending.
+
+    redis-py (8.1) can swallow a cancellation that lands mid-command and return normally (measured:
+    ~1 in 10 heartbeat tasks cancelled within 20 ms of starting ran on), so a loop of Redis calls
+    cancelled during one would never end, and a worker or router shutting down would hang on it. Such
+    loops call this after each Redis call."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()

@@ -23,6 +23,8 @@ from typing import Callable
 import redis
 import redis.asyncio as aioredis
 
+from distserve.redis_client import raise_if_cancelled
+
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "distserve:worker:"
@@ -133,6 +135,7 @@ async def heartbeat(registry: WorkerRegistry, make_record: Callable[[], WorkerRe
             await registry.publish(make_record())
         except (aioredis.RedisError, OSError) as exc:
             log.warning("heartbeat failed: %s", exc)
+        raise_if_cancelled()
         try:
             await asyncio.wait_for(stop.wait(), interval_s)
         except asyncio.TimeoutError:

@@ -62,6 +62,7 @@ async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s:
         except (aioredis.RedisError, OSError) as exc:
             log.warning("registry read failed: %s", exc)
             workers = []
+        redis_client.raise_if_cancelled()
         for address in {w.ucx_address for w in workers} - receiver.peers:
             await receiver.connect(address)
         await asyncio.sleep(interval_s)

@@ -49,10 +49,12 @@ async def follow_releases(redis: aioredis.Redis, worker_id: str, held: HeldKv) -
             async with redis.pubsub() as pubsub:
                 await pubsub.subscribe(release_channel(worker_id))
                 async for message in pubsub.listen():
+                    redis_client.raise_if_cancelled()
                     if message["type"] == "message":
                         held.free(message["data"].decode())
         except (aioredis.RedisError, OSError) as exc:
             log.warning("release subscription lost (%s); resubscribing", exc)
+            redis_client.raise_if_cancelled()
             await asyncio.sleep(1.0)
 
 

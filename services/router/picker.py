@@ -23,6 +23,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from distserve.redis_client import raise_if_cancelled
 from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.spill_policy import SpillPolicy
 
@@ -60,6 +61,7 @@ class WorkerPicker:
                 log.warning("registry refresh failed: %s", exc)
             except Exception:  # this loop must outlive any one bad refresh, or routing freezes
                 log.exception("registry refresh failed")
+            raise_if_cancelled()
             await asyncio.sleep(interval_s)
 
     def workers(self, role: str) -> list[WorkerRecord]:
