@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "skinny_matmul.cpp", "prefill_attention.cpp",
                                       "silu_and_mul.cpp", "norm_rope.cpp", "decode_attention_bf16.cpp",
-                                      "decode_attention_f32.cpp", "decode_layer.cpp")]
+                                      "decode_attention_f32.cpp", "decode_layer.cpp",
+                                      "sampling_weights.cpp")]
 # at::parallel_for is a header template: built without OpenMP it runs every loop on the calling thread,
 # so a worker with several cores ran our kernels on one. With it, bf16 decode steps on 2 threads (ctx
 # 256, medians of 5 interleaved runs): batch 8 / 32 / 64 11.9 / 24.0 / 33.0 -> 9.0 / 18.1 / 24.3 ms.

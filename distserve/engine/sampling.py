@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from distserve.engine.cpu_kernels import cpu_kernels_with
+
 if TYPE_CHECKING:
     from distserve.engine.structured import StructuredSpec
 
@@ -182,12 +184,45 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int |
             tokens[b] = int(adjusted[b].argmax()) if b in adjusted else token
     sampled = [b for b, row in enumerate(rows) if not row.params.is_greedy]
     if sampled:
-        weights, block_sums = _weights(_scaled(logits, rows, sampled, adjusted))  # [S, V], [S, num_blocks]
+        order, weights, block_sums = _sampled_weights(logits, rows, sampled, adjusted)  # [S, V], [S, num_blocks]
         uniforms = [_uniform(rows[b].params.seed if rows[b].params.seed is not None else 0, rows[b].index)
-                    for b in sampled]
-        for b, token in zip(sampled, _draw(weights, block_sums, uniforms)):
+                    for b in order]
+        for b, token in zip(order, _draw(weights, block_sums, uniforms)):
             tokens[b] = token
     return tokens
+
+
+def _sampled_weights(logits: torch.Tensor, rows: Sequence[SampleRow], sampled: list[int],
+                     adjusted: dict[int, torch.Tensor]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The draw's inputs for the sampled rows: (their order in the result, weights [S, V], block sums
+    [S, num_blocks]), as `_weights(_scaled(...))` defines them.
+
+    On CPU with the compiled kernel (csrc/sampling_weights.cpp: two passes per row instead of torch's
+    five), a plain row (temperature only) is read straight from the logits and scaled by 1 / T there;
+    a row with its own adjusted copy or a filter is scaled and filtered by `_scaled` first. Which way
+    a row goes depends on its own parameters alone, so a row's token never depends on its batch.
+    """
+    kernels = cpu_kernels_with(logits, "sampling_weights_f32") if logits.dtype == torch.float32 else None
+    if kernels is None:
+        return sampled, *_weights(_scaled(logits, rows, sampled, adjusted))
+    plain = [b for b in sampled if b not in adjusted and _is_plain(rows[b].params)]
+    filtered = [b for b in sampled if b in adjusted or not _is_plain(rows[b].params)]
+    parts = []
+    if plain:
+        scales = torch.tensor([1.0 / rows[b].params.temperature for b in plain], dtype=torch.float32)
+        parts.append(kernels.sampling_weights_f32(logits, torch.tensor(plain), scales, _block_size(logits.shape[1])))
+    if filtered:
+        scaled = _scaled(logits, rows, filtered, adjusted)  # [F, V]
+        parts.append(kernels.sampling_weights_f32(scaled, torch.arange(len(filtered)),
+                                                  torch.ones(len(filtered)), _block_size(logits.shape[1])))
+    if len(parts) == 1:
+        return plain or filtered, *parts[0]
+    return plain + filtered, torch.cat([parts[0][0], parts[1][0]]), torch.cat([parts[0][1], parts[1][1]])
+
+
+def _is_plain(params: SamplingParams) -> bool:
+    """Temperature only: no min_p, top-k or top-p filter (penalties and bans live in `adjusted`)."""
+    return params.min_p <= 0.0 and not 0 < params.top_k and params.top_p >= 1.0
 
 
 def _banned_and_penalised(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
