@@ -122,13 +122,8 @@ class WorkerPicker:
         spill = self._colocated_fitting(num_tokens, spill_only=True)
         if not spill or not self.pairs_saturated(prompt_tokens, num_tokens):
             return None
-        return self._first_free_spill(spill)
-
-    def _first_free_spill(self, spill: list[WorkerRecord]) -> WorkerRecord | None:
-        """Among spill-only workers: those with room in their prompt queue first, then the one expected
-        to be free first."""
         busy = self.busy_seconds(spill)
-        return min(spill, default=None, key=lambda w: (not self.spill_has_room(w), busy[w.worker_id]))
+        return min(spill, key=lambda w: (not self.spill_has_room(w), busy[w.worker_id]))
 
     def spill_has_room(self, worker: WorkerRecord) -> bool:
         """Whether a spill-only worker takes another spilled prompt now: fewer prompt tokens outstanding
@@ -139,24 +134,18 @@ class WorkerPicker:
     async def wait_for_spill(self, prompt_tokens: int, num_tokens: int) -> WorkerRecord | None:
         """`pick_spill`, bound late: while the pick has no room, waits until a prompt ends (or the
         registry changes) and picks again, so the burst goes to whichever worker frees up first. None
-        if the pairs are not saturated when it is called (the request takes the pair), or once no
-        spill-only worker can hold the request.
-
-        A request that found the pairs saturated stays spilled while it waits: were it to take the pair
-        the moment the prefill queue dipped below its mark, a burst would go mostly to the pair, and
-        every one of those requests would decode on the decode worker (measured: 7 of 50 decoded on the
-        prefill worker, 41 on the decode worker, which finished ~1 s after it).
+        as soon as the pairs are no longer saturated (the request takes the pair) or no worker fits.
 
         The caller must count the request's prompt on the returned worker (`track_prompt`) before it
         next awaits: waiters woken together pick one after another, each seeing the ones before."""
-        worker = self.pick_spill(prompt_tokens, num_tokens)
-        while worker is not None and not self.spill_has_room(worker):
+        while True:
+            worker = self.pick_spill(prompt_tokens, num_tokens)
+            if worker is None or self.spill_has_room(worker):
+                return worker
             try:
                 await asyncio.wait_for(self._prompt_done.wait(), SPILL_RECHECK_S)
             except asyncio.TimeoutError:
                 pass
-            worker = self._first_free_spill(self._colocated_fitting(num_tokens, spill_only=True))
-        return worker
 
     def _wake_spill_waiters(self) -> None:
         self._prompt_done.set()

@@ -223,16 +223,15 @@ async def test_a_spilled_request_waits_in_the_router_until_a_prompt_ends():
         assert (await asyncio.wait_for(waiting, 1.0)).worker_id == "p"  # woken by p's first token
 
 
-async def test_a_waiting_request_stays_spilled_when_the_pair_gets_room():
+async def test_a_waiting_request_takes_the_pair_once_the_pair_has_room():
     spill = [spill_record("p"), spill_record("d")]
     picker = spill_fleet(prefill_outstanding=0, spill=spill, policy=SpillPolicy(1024, 32, queue_tokens=256))
     prefill = picker.workers("prefill")[0]
-    assert await picker.wait_for_spill(100, 200) is None  # the pair has room: not spilled at all
     with picker.track_prompt(spill[1], 256), picker.track_prompt(prefill, 1024):  # saturated; p's queue full too
         waiting = asyncio.create_task(picker.wait_for_spill(100, 200))
         await asyncio.sleep(0.05)
         assert not waiting.done()
-    assert (await asyncio.wait_for(waiting, 1.0)).worker_id == "p"  # spilled still, though the pair has room now
+    assert await asyncio.wait_for(waiting, 1.0) is None  # p's prompts done: the pair is below its mark
 
 
 async def test_requests_woken_together_take_the_room_one_at_a_time():
