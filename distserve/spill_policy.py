@@ -15,15 +15,9 @@ from typing import Mapping
 class SpillPolicy:
     prefill_tokens: int = 1024  # the least-loaded prefill worker has this many prompt tokens outstanding (0: never)
     decode_running: int = 32  # or the least-loaded decode worker has this many sequences (0: never)
-    # Late binding: a spill-only worker takes another spilled prompt only while it has fewer prompt
-    # tokens than this outstanding; past it the request waits in the router, and the worker that
-    # frees up first takes it (0: send at once). Three 256-token prompts: the worker always has the
-    # next prompt queued (the router hears of each first token within a millisecond or so).
-    queue_tokens: int = 768
 
     ENV = {"prefill_tokens": "DISTSERVE_ROUTER_SPILL_PREFILL_TOKENS",
-           "decode_running": "DISTSERVE_ROUTER_SPILL_DECODE_RUNNING",
-           "queue_tokens": "DISTSERVE_ROUTER_SPILL_QUEUE_TOKENS"}
+           "decode_running": "DISTSERVE_ROUTER_SPILL_DECODE_RUNNING"}
 
     def saturated(self, queued_tokens: float, running: float) -> bool:
         """Whether a pair whose prefill side has queued_tokens outstanding and whose decode side runs

@@ -31,8 +31,7 @@ async def serve(config: RouterConfig) -> None:
     path = resolve_model_path(config.model)
     redis = redis_client.connect(config.redis_url)
     picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s,
-                          SpillPolicy(config.spill_prefill_tokens, config.spill_decode_running,
-                                      config.spill_queue_tokens))
+                          SpillPolicy(config.spill_prefill_tokens, config.spill_decode_running))
     channels = ChannelPool(config)
     servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels,
                               model_name=Path(path).name, metrics=RouterMetrics())

@@ -37,9 +37,6 @@ class RouterConfig(TlsConfig):
     spill_decode_running: int = setting(SpillPolicy.decode_running, "spill-only colocated workers also take requests "
                                         "once the least-loaded decode worker runs this many sequences (0: never on "
                                         "that count)")
-    spill_queue_tokens: int = setting(SpillPolicy.queue_tokens, "a spill-only worker takes another spilled request "
-                                      "only while it has fewer prompt tokens than this outstanding; past it the "
-                                      "request waits here and goes to the worker that frees up first (0: at once)")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
@@ -51,4 +48,3 @@ class RouterConfig(TlsConfig):
         require(self.registry_refresh_s > 0, "registry_refresh_s", "must be > 0")
         require(self.spill_prefill_tokens >= 0, "spill_prefill_tokens", "must be >= 0 (0: never on that count)")
         require(self.spill_decode_running >= 0, "spill_decode_running", "must be >= 0 (0: never on that count)")
-        require(self.spill_queue_tokens >= 0, "spill_queue_tokens", "must be >= 0 (0: send at once)")

@@ -11,9 +11,6 @@ prompt queue or a decode batch past distserve.spill_policy's marks), and then th
 first: its queued prompt and decode tokens times what each costs it (measured by the worker). At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
-Spilled requests are bound late: a spill-only worker takes one only while its prompt queue is short
-(SpillPolicy.queue_tokens); past that the request waits in the router, and whichever worker frees up
-first takes it, so a burst splits by how fast each worker really goes, not by estimates made before it.
 """
 
 from __future__ import annotations
@@ -36,9 +33,6 @@ log = logging.getLogger(__name__)
 # launcher's control placement reads it: distserve.control_placement).
 SPILL_ANNOUNCE_S = 0.25
 SPILL_HOLD_S = 1.0
-# A request waiting for a spill-only worker's queue to shorten looks again at least this often (it is
-# woken at once by this router's own first tokens; other routers' show in the registry's reports).
-SPILL_RECHECK_S = 0.02
 
 
 class WorkerPicker:
@@ -54,13 +48,10 @@ class WorkerPicker:
         self._inflight_decode_tokens: collections.Counter[str] = collections.Counter()
         self._spill_announced_at = -SPILL_ANNOUNCE_S
         self._suspect_until: dict[str, float] = {}
-        self._prompt_done = asyncio.Event()  # set (and replaced) whenever a tracked prompt ends
-        self._background: set[asyncio.Task] = set()
 
     async def refresh(self) -> None:
         for role in self._workers:
             self._workers[role] = await self._registry.list(role)
-        self._wake_spill_waiters()
 
     async def run_refresh(self, interval_s: float) -> None:
         while True:
@@ -117,54 +108,19 @@ class WorkerPicker:
 
     def pick_spill(self, prompt_tokens: int, num_tokens: int) -> WorkerRecord | None:
         """The spill-only colocated worker to take a whole request (num_tokens of KV, prompt_tokens of
-        them prompt), or None: none can hold it, or the pairs are not saturated (module docstring).
-        Workers with room in their prompt queue (`spill_has_room`) come first."""
+        them prompt), or None: none can hold it, or the pairs are not saturated (module docstring)."""
         spill = self._colocated_fitting(num_tokens, spill_only=True)
         if not spill or not self.pairs_saturated(prompt_tokens, num_tokens):
             return None
         busy = self.busy_seconds(spill)
-        return min(spill, key=lambda w: (not self.spill_has_room(w), busy[w.worker_id]))
+        return min(spill, key=lambda w: busy[w.worker_id])
 
-    def spill_has_room(self, worker: WorkerRecord) -> bool:
-        """Whether a spill-only worker takes another spilled prompt now: fewer prompt tokens outstanding
-        there than SpillPolicy.queue_tokens (0: always)."""
-        cap = self._spill.queue_tokens
-        return not cap or self._queued_prompt_tokens(worker) < cap
-
-    async def wait_for_spill(self, prompt_tokens: int, num_tokens: int) -> WorkerRecord | None:
-        """`pick_spill`, bound late: while the pick has no room, waits until a prompt ends (or the
-        registry changes) and picks again, so the burst goes to whichever worker frees up first. None
-        as soon as the pairs are no longer saturated (the request takes the pair) or no worker fits.
-
-        The caller must count the request's prompt on the returned worker (`track_prompt`) before it
-        next awaits: waiters woken together pick one after another, each seeing the ones before."""
-        while True:
-            worker = self.pick_spill(prompt_tokens, num_tokens)
-            if worker is None or self.spill_has_room(worker):
-                return worker
-            try:
-                await asyncio.wait_for(self._prompt_done.wait(), SPILL_RECHECK_S)
-            except asyncio.TimeoutError:
-                pass
-
-    def _wake_spill_waiters(self) -> None:
-        self._prompt_done.set()
-        self._prompt_done = asyncio.Event()
-
-    def announce_spill(self) -> asyncio.Task | None:
-        """Marks spilling in the registry, at most every SPILL_ANNOUNCE_S, in a task of its own: routing
-        never waits on Redis (see wait_for_spill). Returns that task, if one was started; a Redis error
-        is logged, not raised."""
+    async def announce_spill(self) -> None:
+        """Marks spilling in the registry, at most every SPILL_ANNOUNCE_S; a Redis error is logged, not raised."""
         now = time.monotonic()
         if now - self._spill_announced_at < SPILL_ANNOUNCE_S:
-            return None
+            return
         self._spill_announced_at = now
-        task = asyncio.get_running_loop().create_task(self._mark_spilling())
-        self._background.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._background.discard)
-        return task
-
-    async def _mark_spilling(self) -> None:
         try:
             await self._registry.mark_spilling(SPILL_HOLD_S)
         except (aioredis.RedisError, OSError) as exc:
@@ -195,13 +151,11 @@ class WorkerPicker:
         prefill_s, decode_s = per_token("prefill_s_per_token"), per_token("decode_s_per_token")
         busy = {}
         for w in workers:
+            # max: the router's own count covers requests sent since the last report, a report other routers'
+            prompt = max(w.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[w.worker_id])
             decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
-            busy[w.worker_id] = self._queued_prompt_tokens(w) * prefill_s[w.worker_id] + decode * decode_s[w.worker_id]
+            busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_s[w.worker_id]
         return busy
-
-    def _queued_prompt_tokens(self, worker: WorkerRecord) -> float:
-        # max: the router's own count covers requests sent since the last report, a report other routers'
-        return max(worker.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[worker.worker_id])
 
     def prefers_colocated(self, colocated: WorkerRecord | None, prefill: WorkerRecord | None) -> bool:
         """In a mixed fleet, whether a request goes to `colocated` rather than the prefill/decode pair:
@@ -237,15 +191,9 @@ class WorkerPicker:
                 and (not kv_format or w.kv_format == kv_format) and not full(w)]
         return min(fits, default=None, key=score)
 
-    @contextlib.contextmanager
     def track_prompt(self, worker: WorkerRecord, num_tokens: int):
-        """Counts num_tokens of prompt as in flight on worker (until its first token) for the block;
-        its end wakes the requests waiting for a spill-only worker's queue to shorten."""
-        try:
-            with _counted(self._inflight_prompt_tokens, worker.worker_id, num_tokens):
-                yield
-        finally:
-            self._wake_spill_waiters()
+        """Counts num_tokens of prompt as in flight on worker (until its first token) for the block."""
+        return _counted(self._inflight_prompt_tokens, worker.worker_id, num_tokens)
 
     def track_stream(self, worker: WorkerRecord):
         """Counts one decoding stream as open on worker for the block."""

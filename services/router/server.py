@@ -126,13 +126,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                "n: colocated workers serve one completion per request (n = 1, no best_of)")
         num_tokens = self._kv_tokens(req)
-        waiting_since = time.monotonic()
-        spill = await self._picker.wait_for_spill(len(req.prompt), num_tokens)
-        if spill is not None:  # from here to track_prompt in _colocated_messages nothing awaits (wait_for_spill)
-            self._picker.announce_spill()
-            waited_ms = (time.monotonic() - waiting_since) * 1e3
-            return self._routed_colocated(req, spill, f"pairs saturated; room in its prompt queue first "
-                                          f"(waited {waited_ms:.0f} ms), then expected to be free first")
+        spill = self._picker.pick_spill(len(req.prompt), num_tokens)
+        if spill is not None:
+            await self._picker.announce_spill()
+            return self._routed_colocated(req, spill, "pairs saturated; expected to be free first")
         colocated = self._picker.pick_colocated(num_tokens)
         prefill = self._picker.pick_prefill() if self._picker.workers("decode") else None
         if colocated is None and prefill is None:

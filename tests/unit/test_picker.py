@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 from distserve.registry import WorkerRecord
@@ -134,7 +133,7 @@ def test_spill_goes_to_the_worker_expected_to_be_free_first():
     # p: 2000 queued prompt tokens at 0.1 ms = 0.2 s; d: 600 decode tokens at 1 ms = 0.6 s
     spill = [spill_record("p", outstanding=2000, prefill_s=1e-4, decode_s=1e-3),
              spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)]
-    picker = spill_fleet(prefill_outstanding=2000, spill=spill, policy=SpillPolicy(1024, 32, queue_tokens=0))
+    picker = spill_fleet(prefill_outstanding=2000, spill=spill)
     assert picker.busy_seconds(spill) == {"p": 2000 * 1e-4, "d": 600 * 1e-3}
     assert picker.pick_spill(100, 200).worker_id == "p"
     with picker.track_decode(spill[0], 500):  # 0.5 s more decoding sent to p since its report
@@ -167,11 +166,10 @@ async def test_spilling_is_announced_in_the_registry_at_most_every_quarter_secon
     clock = [100.0]
     monkeypatch.setattr("services.router.picker.time.monotonic", lambda: clock[0])
     picker = WorkerPicker(registry=Registry(), suspect_s=5.0)
-    started = [picker.announce_spill(), picker.announce_spill()]
+    await picker.announce_spill()
+    await picker.announce_spill()
     clock[0] += 0.25
-    started.append(picker.announce_spill())
-    assert started[1] is None
-    await asyncio.gather(started[0], started[2])
+    await picker.announce_spill()
     assert marks == [1.0, 1.0]
 
 
@@ -198,62 +196,3 @@ def test_open_streams_count_toward_the_decode_mark():
         for _ in range(32):
             streams.enter_context(picker.track_stream(d))
         assert picker.pairs_saturated(100, 200)  # opened since the last report
-
-
-def test_a_spill_only_worker_with_a_full_prompt_queue_is_passed_over_for_one_with_room():
-    # p is expected to be free first, but has a queue's worth of prompt tokens outstanding already
-    spill = [spill_record("p", outstanding=800, prefill_s=1e-4, decode_s=1e-3),
-             spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)]
-    picker = spill_fleet(prefill_outstanding=1024, spill=spill, policy=SpillPolicy(1024, 32, queue_tokens=768))
-    assert not picker.spill_has_room(spill[0]) and picker.spill_has_room(spill[1])
-    assert picker.pick_spill(100, 200).worker_id == "d"
-    with picker.track_prompt(spill[1], 768):  # sent by this router since d's last report
-        assert not picker.spill_has_room(spill[1])
-        assert picker.pick_spill(100, 200).worker_id == "p"  # no room anywhere: expected free first
-
-
-async def test_a_spilled_request_waits_in_the_router_until_a_prompt_ends():
-    spill = [spill_record("p"), spill_record("d")]
-    picker = spill_fleet(prefill_outstanding=1024, spill=spill, policy=SpillPolicy(1024, 32, queue_tokens=256))
-    with picker.track_prompt(spill[1], 256):
-        with picker.track_prompt(spill[0], 256):
-            waiting = asyncio.create_task(picker.wait_for_spill(100, 200))
-            await asyncio.sleep(0.05)  # both queues full: it keeps waiting, past several rechecks
-            assert not waiting.done()
-        assert (await asyncio.wait_for(waiting, 1.0)).worker_id == "p"  # woken by p's first token
-
-
-async def test_a_waiting_request_takes_the_pair_once_the_pair_has_room():
-    spill = [spill_record("p"), spill_record("d")]
-    picker = spill_fleet(prefill_outstanding=0, spill=spill, policy=SpillPolicy(1024, 32, queue_tokens=256))
-    prefill = picker.workers("prefill")[0]
-    with picker.track_prompt(spill[1], 256), picker.track_prompt(prefill, 1024):  # saturated; p's queue full too
-        waiting = asyncio.create_task(picker.wait_for_spill(100, 200))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
-    assert await asyncio.wait_for(waiting, 1.0) is None  # p's prompts done: the pair is below its mark
-
-
-async def test_requests_woken_together_take_the_room_one_at_a_time():
-    spill = [spill_record("p"), spill_record("d")]
-    picker = spill_fleet(prefill_outstanding=1024, spill=spill, policy=SpillPolicy(1024, 32, queue_tokens=256))
-    routed, stack = [], contextlib.ExitStack()
-
-    async def route():  # as the router does: count the prompt on the picked worker before awaiting again
-        worker = await picker.wait_for_spill(256, 300)
-        stack.enter_context(picker.track_prompt(worker, 256))
-        routed.append(worker.worker_id)
-
-    with stack:
-        stack.enter_context(picker.track_prompt(spill[0], 256))
-        blocker = picker.track_prompt(spill[1], 256)
-        blocker.__enter__()
-        tasks = [asyncio.create_task(route()) for _ in range(3)]
-        await asyncio.sleep(0.05)
-        assert routed == []
-        blocker.__exit__(None, None, None)  # d's prompt ends: room for exactly one more there
-        await asyncio.sleep(0.05)
-        assert routed == ["d"]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
