@@ -1,4 +1,5 @@
-"""CPU memory on 2 MiB pages for the tensors a decode step streams end to end: the weights.
+"""CPU memory on 2 MiB pages for the tensors a decode step streams end to end: the weights, and the
+paged KV cache (`zeros`), whose blocks attention reads scattered, 8 KiB at a time.
 
 A small-batch decode step reads every weight matrix once, so it runs at the speed one core streams
 memory. On 4 KiB pages that stream takes a TLB miss every 4 KiB; on transparent huge pages one every
@@ -52,6 +53,21 @@ class HugePageArena:
         out = self.empty(tensor.shape, tensor.dtype)
         out.copy_(tensor)
         return out
+
+
+def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled contiguous CPU tensor on memory of its own, advised onto huge pages: fresh
+    anonymous memory reads as zeros, and a page is only committed where it is written.
+
+    For the paged KV cache: decode attention reads each sequence's blocks scattered over the cache,
+    on 4 KiB pages a TLB miss per block or two. One decode step's attention (default:small bf16, batch
+    25 x 290 tokens, blocks scattered over a 1 GiB cache, one core; /tmp harness kvhp.py, three runs):
+    11.3 / 10.8 / 8.5 ms on 4 KiB pages, 8.4 / 7.4 / 6.0 ms on huge pages."""
+    num_bytes = torch.Size(shape).numel() * dtype.itemsize
+    memory = _map(num_bytes)
+    if not huge_pages_advisable():
+        memory.zero_()  # torch.empty's memory: not zeroed
+    return memory.view(dtype).view(shape)
 
 
 def _map(num_bytes: int) -> torch.Tensor:

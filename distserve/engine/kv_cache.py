@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from distserve.engine import host_memory
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -82,9 +84,11 @@ class PagedKvCache:
     def __init__(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device):
         self.block_size = block_size
         # storage: [L, 2, num_blocks + 1, block_size, H, D]; the last block is the zero pad block
-        self.storage = torch.zeros(
-            (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            self.storage = host_memory.zeros(shape, dtype)  # huge pages: attention reads blocks scattered
+        else:
+            self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
         self.pad_block = num_blocks
 
