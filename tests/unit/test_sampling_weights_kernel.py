@@ -93,3 +93,17 @@ def test_the_kernel_path_draws_from_the_same_distribution_as_the_torch_path():
     differing = sum(a != b for a, b in zip(with_kernel, with_torch))
     assert differing <= 3, f"{differing} of 3000 draws differ: more than rounding at bucket edges explains"
     assert all(token % 6 != 3 for token in with_kernel), "a -inf token was drawn"
+
+
+def test_without_the_kernel_sampling_takes_the_torch_path_to_the_same_draws(monkeypatch):
+    """Where the kernel is not built (no AVX-512, DISTSERVE_CPU_KERNELS=0), the torch path serves."""
+    logits = torch.tensor([2.0, 1.0, 0.5, float("-inf"), 0.0, -1.0] * 50)
+    rows = [SampleRow(SamplingParams(temperature=0.8, seed=7), index) for index in range(2000)]
+    batch = logits.expand(len(rows), -1)
+    with_kernel = sampling.sample_tokens(batch, rows)
+    monkeypatch.setattr(sampling, "cpu_kernels_with", lambda like, name: None)
+    order, weights, _ = sampling._sampled_weights(batch, rows, list(range(len(rows))), {})
+    assert order == list(range(len(rows))) and weights.shape == batch.shape
+    without = sampling.sample_tokens(batch, rows)
+    assert sum(a != b for a, b in zip(with_kernel, without)) <= 2
+    assert all(token % 6 != 3 for token in without), "a -inf token was drawn"
