@@ -141,28 +141,31 @@ class WorkerPicker:
         return self._spill.saturated(queued, running)
 
     def busy_seconds(self, workers: list[WorkerRecord]) -> dict[str, float]:
-        """Each worker's expected time to clear its queued work: outstanding prompt tokens and decode
-        tokens left, each times the cheapest cost per token of that kind measured among `workers` (1 s
-        where none has measured it yet: unknown is not free).
+        """Each worker's expected time to clear its queued work: outstanding prompt tokens times the
+        worker's own measured cost per prompt token (one not measured yet is taken as the costliest
+        measured among `workers`, or 1 s: unknown is not free), plus decode tokens left times the
+        cheapest decode cost per token measured among `workers` (or 1 s).
 
-        Why one price per kind, not each worker's own: a worker measures its costs at its own batch and
-        chunk sizes, and a bf16 decode step costs ~7 ms plus ~1 ms per sequence (default:small), so a
-        worker that decoded one sequence in the warm-up reads ~7x costlier per token than one that
-        decoded 25, though one more sequence costs both about the same; likewise a prefill step's fixed
-        part weighs on a short chunk's tokens. Priced by their own readings, a burst went 16 : 30 to the
-        prefill : decode worker, and the prefill worker finished 2.3 s before the other. The cheapest
-        reading, taken at the largest batch, is the nearest to the marginal cost. A fleet whose
-        workers differ in speed (cores, devices) is priced as if they did not."""
-        def cheapest(key: str) -> float:
-            return min((w.load[key] for w in workers if w.load.get(key)), default=1.0)
+        Why one decode price: a worker measures seconds per decoded token at its own batch, and a step
+        costs ~7 ms plus ~1 ms per sequence (bf16, default:small), so a worker that decoded one
+        sequence in the warm-up reads ~7x costlier than one that decoded 25, though one more sequence
+        costs both about the same. Priced so, a burst went 16 : 30 to the prefill : decode worker,
+        and the prefill worker finished 2.3 s before the other. The cheapest reading, taken at the
+        largest batch, is the nearest to that marginal cost."""
+        def per_token(key: str) -> dict[str, float]:
+            fallback = max((w.load.get(key, 0) for w in workers), default=0) or 1.0
+            return {w.worker_id: w.load.get(key, 0) or fallback for w in workers}
 
-        prefill_price, decode_price = cheapest("prefill_s_per_token"), cheapest("decode_s_per_token")
+        prefill_s = per_token("prefill_s_per_token")
+        decode_price = min((w.load["decode_s_per_token"] for w in workers if w.load.get("decode_s_per_token")),
+                           default=1.0)
+        decode_s = {w.worker_id: decode_price for w in workers}
         busy = {}
         for w in workers:
             # max: the router's own count covers requests sent since the last report, a report other routers'
             prompt = max(w.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[w.worker_id])
             decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
-            busy[w.worker_id] = prompt * prefill_price + decode * decode_price
+            busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_s[w.worker_id]
         return busy
 
     def prefers_colocated(self, colocated: WorkerRecord | None, prefill: WorkerRecord | None) -> bool:
