@@ -1,4 +1,4 @@
-"""The huge-page arena that CPU weights live in."""
+"""The huge-page arena that CPU weights live in, and the zeroed huge-page memory of the paged KV cache."""
 
 import gc
 from pathlib import Path
@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from distserve.engine import host_memory
 from distserve.engine.host_memory import HUGE_PAGE, HugePageArena, huge_pages_advisable
+from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_loader import load_engine_model
 
 
@@ -69,3 +71,30 @@ def test_a_loaded_models_matrices_live_in_the_arena(tiny_model_path, dtype):
         assert matrix.data_ptr() % 64 == 0 and matrix.dtype == getattr(torch, dtype)
         if _kernel_offers_huge_pages():
             assert _anon_huge_kib(matrix.data_ptr()) >= 2048
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeros_is_zero_filled_writable_and_on_huge_pages_where_offered(dtype):
+    tensor = host_memory.zeros((3, HUGE_PAGE // 4), dtype)
+    assert tensor.shape == (3, HUGE_PAGE // 4) and tensor.dtype == dtype and tensor.is_contiguous()
+    assert not tensor.any()
+    tensor[1].fill_(2.0)
+    assert tensor[1].eq(2).all() and not tensor[0].any() and not tensor[2].any()
+    if _kernel_offers_huge_pages():
+        assert tensor.data_ptr() % HUGE_PAGE == 0 and _anon_huge_kib(tensor.data_ptr()) >= 2048
+
+
+def test_zeros_on_ordinary_pages_is_zeroed_too(monkeypatch):
+    monkeypatch.setattr(host_memory, "huge_pages_advisable", lambda: False)
+    dirty = torch.full((1 << 12,), 7.0)  # freed heap memory, which torch.empty hands out again
+    del dirty
+    assert not host_memory.zeros((1 << 12,), torch.float32).any()
+
+
+def test_the_paged_kv_cache_lives_on_huge_pages_with_a_zero_pad_block():
+    cache = PagedKvCache(2, 2, 64, 600, 16, torch.bfloat16, "cpu")
+    assert not cache.storage[:, :, cache.pad_block].any()
+    cache.write_slots(0, torch.tensor([0, 1]), torch.ones(2, 2, 64, dtype=torch.bfloat16),
+                      torch.ones(2, 2, 64, dtype=torch.bfloat16))
+    if _kernel_offers_huge_pages():
+        assert _anon_huge_kib(cache.storage.data_ptr()) >= 2048
