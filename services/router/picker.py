@@ -8,7 +8,8 @@ registry entry may outlive it by up to one lease).
 Spilling: a prefill or decode worker started with also_colocated registers a second, spill-only
 colocated record. Those take whole requests only while the prefill/decode pairs are saturated (a
 prompt queue or a decode batch past distserve.spill_policy's marks), and then the one expected to be free
-first: its queued prompt and decode tokens times what each costs it (measured by the worker). At
+first: its queued prompt tokens times what a prompt token costs it, and its decode tokens left times the cheapest
+cost per decoded token any spill-only worker measured (`busy_seconds`). At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """

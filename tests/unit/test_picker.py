@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 from distserve.registry import WorkerRecord
 from distserve.spill_policy import SpillPolicy
 from services.router.picker import WorkerPicker
@@ -138,6 +140,15 @@ def test_spill_goes_to_the_worker_expected_to_be_free_first():
     assert picker.pick_spill(100, 200).worker_id == "p"
     with picker.track_decode(spill[0], 500):  # 0.5 s more decoding sent to p since its report
         assert picker.pick_spill(100, 200).worker_id == "d"
+
+
+def test_decode_tokens_are_priced_alike_on_every_spill_only_worker():
+    # p measured decoding at batch ~1 (7 ms a token), d at a larger batch (1.5 ms): one more sequence
+    # costs both about the same, so both are priced at the cheapest reading; prompts at their own
+    spill = [spill_record("p", outstanding=100, decode_left=64, prefill_s=2e-4, decode_s=7e-3),
+             spill_record("d", outstanding=100, decode_left=64, prefill_s=1e-4, decode_s=1.5e-3)]
+    busy = spill_fleet(spill=spill).busy_seconds(spill)
+    assert busy == {"p": pytest.approx(100 * 2e-4 + 64 * 1.5e-3), "d": pytest.approx(100 * 1e-4 + 64 * 1.5e-3)}
 
 
 def test_a_worker_without_measured_costs_is_taken_as_the_costliest_measured():
