@@ -63,11 +63,9 @@ def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     on 4 KiB pages a TLB miss per block or two. One decode step's attention (default:small bf16, batch
     25 x 290 tokens, blocks scattered over a 1 GiB cache, one core; /tmp harness kvhp.py, three runs):
     11.3 / 10.8 / 8.5 ms on 4 KiB pages, 8.4 / 7.4 / 6.0 ms on huge pages."""
-    num_bytes = torch.Size(shape).numel() * dtype.itemsize
-    memory = _map(num_bytes)
-    if not huge_pages_advisable():
-        memory.zero_()  # torch.empty's memory: not zeroed
-    return memory.view(dtype).view(shape)
+    if not huge_pages_advisable():  # _map would hand out torch.empty's memory, which is not zeroed
+        return torch.zeros(shape, dtype=dtype)
+    return _map(torch.Size(shape).numel() * dtype.itemsize).view(dtype).view(shape)
 
 
 def _map(num_bytes: int) -> torch.Tensor:

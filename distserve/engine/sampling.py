@@ -205,19 +205,20 @@ def _sampled_weights(logits: torch.Tensor, rows: Sequence[SampleRow], sampled: l
     kernels = cpu_kernels_with(logits, "sampling_weights_f32") if logits.dtype == torch.float32 else None
     if kernels is None:
         return sampled, *_weights(_scaled(logits, rows, sampled, adjusted))
+    block = _block_size(logits.shape[1])
     plain = [b for b in sampled if b not in adjusted and _is_plain(rows[b].params)]
     filtered = [b for b in sampled if b in adjusted or not _is_plain(rows[b].params)]
-    parts = []
+    parts = []  # (weights, block sums) per group, plain rows first
     if plain:
         scales = torch.tensor([1.0 / rows[b].params.temperature for b in plain], dtype=torch.float32)
-        parts.append(kernels.sampling_weights_f32(logits, torch.tensor(plain), scales, _block_size(logits.shape[1])))
+        parts.append(kernels.sampling_weights_f32(logits, torch.tensor(plain), scales, block))
     if filtered:
-        scaled = _scaled(logits, rows, filtered, adjusted)  # [F, V]
-        parts.append(kernels.sampling_weights_f32(scaled, torch.arange(len(filtered)),
-                                                  torch.ones(len(filtered)), _block_size(logits.shape[1])))
+        scaled = _scaled(logits, rows, filtered, adjusted)  # [F, V], temperature already applied
+        parts.append(kernels.sampling_weights_f32(scaled, torch.arange(len(filtered)), torch.ones(len(filtered)), block))
     if len(parts) == 1:
-        return plain or filtered, *parts[0]
-    return plain + filtered, torch.cat([parts[0][0], parts[1][0]]), torch.cat([parts[0][1], parts[1][1]])
+        return sampled, *parts[0]  # one group: all of `sampled`, in its order
+    weights, sums = zip(*parts)
+    return plain + filtered, torch.cat(weights), torch.cat(sums)
 
 
 def _is_plain(params: SamplingParams) -> bool:

@@ -160,13 +160,12 @@ class WorkerPicker:
         prefill_s = per_token("prefill_s_per_token")
         decode_price = min((w.load["decode_s_per_token"] for w in workers if w.load.get("decode_s_per_token")),
                            default=1.0)
-        decode_s = {w.worker_id: decode_price for w in workers}
         busy = {}
         for w in workers:
             # max: the router's own count covers requests sent since the last report, a report other routers'
             prompt = max(w.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[w.worker_id])
             decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
-            busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_s[w.worker_id]
+            busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_price
         return busy
 
     def prefers_colocated(self, colocated: WorkerRecord | None, prefill: WorkerRecord | None) -> bool:
