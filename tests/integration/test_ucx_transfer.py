@@ -158,3 +158,29 @@ async def test_bytes_damaged_on_both_pulls_fail_with_a_checksum_error_and_the_se
     finally:
         await receiver.close()
         sender.stop()
+
+
+async def test_the_progress_thread_sleeps_the_set_interval_and_transfers_still_complete():
+    """ucxx's own thread mode wakes every 1 ms; ours waits PROGRESS_IDLE_WAKE_MS between wake-ups with
+    nothing to do, and relies on UCX's signals for work: a pull after an idle spell longer than that
+    interval still completes with the right bytes."""
+    from ucxx._lib_async import application_context
+
+    from distserve.transfer.ucx_transfer import PROGRESS_IDLE_WAKE_MS
+
+    init_ucx()
+    held = {"C": torch.full(SHAPE, 4.0)}
+    sender = KvSender(lookup=held.get, on_sent=lambda handle_id, num_bytes, seconds: held.pop(handle_id, None))
+    address = f"127.0.0.1:{sender.start(0)}"
+    receiver = KvReceiver()
+    try:
+        await receiver.connect(address)
+        progress = application_context.ProgressTasks[asyncio.get_running_loop()]
+        assert progress.distserve_wake_ms == PROGRESS_IDLE_WAKE_MS > 1
+        await asyncio.sleep(3 * PROGRESS_IDLE_WAKE_MS / 1000)  # the progress thread asleep in epoll_wait
+        out = torch.zeros(SHAPE)
+        await asyncio.wait_for(receiver.fetch(address, "C", out, 10), 5)
+        assert out.unique().tolist() == [4.0]
+    finally:
+        await receiver.close()
+        sender.stop()
