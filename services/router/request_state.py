@@ -74,14 +74,17 @@ class RequestState:
             for _ in token_ids:
                 self.metrics.itl.observe((now - self.last_message_at) / len(token_ids))
         self.last_message_at = now
-        text, kept = "", []
-        for token in token_ids:  # one at a time: tokens after a stop string are not part of the answer
-            kept.append(token)
-            text += completion.text.add([token])
-            if completion.text.stopped:
-                finish = FinishReason.STOP
-                break
-        token_ids, logprobs = kept, list(logprobs)[:len(kept)]
+        if completion.text.has_stop_strings:
+            text, kept = "", []
+            for token in token_ids:  # one at a time: tokens after a stop string are not part of the answer
+                kept.append(token)
+                text += completion.text.add([token])
+                if completion.text.stopped:
+                    finish = FinishReason.STOP
+                    break
+            token_ids, logprobs = kept, list(logprobs)[:len(kept)]
+        else:  # nothing can stop the text mid-message: one decode for all of it
+            text = completion.text.add(token_ids)
         completion.outputs.extend(token_ids)
         completion.cumulative_logprob += sum(entry.logprob for entry in logprobs)
         self.metrics.generation_tokens.inc(len(token_ids))

@@ -10,10 +10,39 @@ stop string itself and anything after it are never returned.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
+
+@functools.lru_cache(maxsize=8)
+def plain_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """A function equal to `tokenizer.decode(ids, skip_special_tokens=True)`. For a transformers fast
+    tokenizer that does no clean-up of its own, that is its Rust tokenizer's decode: transformers'
+    wrapper around it (argument conversion, the clean-up check) took about half of each call, and the
+    router decodes twice per streamed token. Any other tokenizer keeps its own decode."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its decode, as it is
+        TokenizersBackend = None
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode and not _cleans_up_spaces(tokenizer)):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _cleans_up_spaces(tokenizer) -> bool:
+    """Whether transformers' decode edits the backend's text (clean_up_tokenization_spaces, which it
+    skips for BPE models unless forced: TokenizersBackend._decode)."""
+    if not tokenizer.clean_up_tokenization_spaces:
+        return False
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    return type(tokenizer.backend_tokenizer.model).__name__ != "BPE" or bool(forced)
+
 
 class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self._tokenizer = tokenizer
+        self._decode_ids = plain_decoder(tokenizer)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
@@ -22,6 +51,10 @@ class TextStream:
         self._text = ""
         self._emitted = 0
         self.stopped = False
+
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
 
     def add(self, token_ids: list[int]) -> str:
         """Adds tokens; returns the newly final text. Sets `stopped` when a stop string appears;
@@ -48,7 +81,7 @@ class TextStream:
         return self._release(len(self._text))
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=True)
+        return self._decode_ids(self._ids[start:end])
 
     def _decode_new(self) -> str:
         prefix = self._decode(self._prefix_offset, self._read_offset)

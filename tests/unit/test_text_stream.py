@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.text_stream import TextStream
+from services.router.text_stream import TextStream, plain_decoder
 
 
 class ByteTokenizer:
@@ -121,3 +121,43 @@ def test_real_tokenizer_stop_string(tiny_tokenizer, stop):
     released = "".join(feed(stream, ids)) + stream.flush()
     assert stream.stopped
     assert released == text.split(stop)[0]
+
+
+def test_plain_decoder_equals_decode_skipping_special_tokens(tiny_tokenizer):
+    import random
+
+    rng = random.Random(0)
+    special = [i for i in (tiny_tokenizer.bos_token_id, tiny_tokenizer.eos_token_id) if i is not None]
+    decode = plain_decoder(tiny_tokenizer)
+    for length in (0, 1, 2, 7, 50):
+        ids = [rng.randrange(tiny_tokenizer.vocab_size) for _ in range(length)] + special
+        rng.shuffle(ids)
+        assert decode(ids) == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_plain_decoder_takes_the_rust_decode_only_where_it_equals_transformers(tiny_tokenizer, monkeypatch):
+    from services.router import text_stream
+
+    assert plain_decoder(tiny_tokenizer).__closure__[0].cell_contents is tiny_tokenizer.backend_tokenizer
+    plain_decoder.cache_clear()
+    monkeypatch.setattr(text_stream, "_cleans_up_spaces", lambda tokenizer: True)
+    assert plain_decoder(tiny_tokenizer).__closure__[0].cell_contents is tiny_tokenizer  # its own decode
+    plain_decoder.cache_clear()
+
+
+@pytest.mark.parametrize("model, clean_up, forced, cleans", [
+    ("BPE", False, False, False), ("BPE", True, False, False), ("BPE", True, True, True),
+    ("WordPiece", True, False, True), ("WordPiece", False, False, False)])
+def test_clean_up_is_seen_as_transformers_applies_it(model, clean_up, forced, cleans):
+    from types import SimpleNamespace
+
+    from services.router.text_stream import _cleans_up_spaces
+
+    tokenizer = SimpleNamespace(
+        clean_up_tokenization_spaces=clean_up, backend_tokenizer=SimpleNamespace(model=type(model, (), {})()),
+        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=forced)
+    assert _cleans_up_spaces(tokenizer) is cleans
+
+
+def test_plain_decoder_of_another_tokenizer_is_its_decode():
+    assert plain_decoder(ByteTokenizer())(byte_ids("h\u00e9")) == "h\u00e9"
