@@ -20,7 +20,7 @@ from typing import Callable
 import redis
 
 from distserve.cpus import move_threads
-from distserve.registry import list_now, spilling_now
+from distserve.registry import lists_now
 from distserve.spill_policy import SpillPolicy
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,10 @@ def every_core_busy(client: redis.Redis, policy: SpillPolicy) -> bool:
     saturated (SpillPolicy on the least-loaded prefill and decode workers) or spilled work still under
     way: a prefill worker decoding, or a decode worker prefilling, whole requests of its own (their
     spill-only records). False without a pair."""
-    if spilling_now(client):  # a router spilled within the last second: the quickest sign
+    spilling, workers = lists_now(client, ("prefill", "decode", "colocated"))
+    if spilling:  # a router spilled within the last second: the quickest sign
         return True
-    prefill, decode = list_now(client, "prefill"), list_now(client, "decode")
+    prefill, decode = workers["prefill"], workers["decode"]
     if not prefill or not decode:
         return False
     queued = min(w.load.get("outstanding_tokens", 0) for w in prefill)
@@ -41,7 +42,7 @@ def every_core_busy(client: redis.Redis, policy: SpillPolicy) -> bool:
     prefill_ids, decode_ids = {w.worker_id for w in prefill}, {w.worker_id for w in decode}
     spilled = any((w.worker_id in prefill_ids and w.load.get("num_running", 0))
                   or (w.worker_id in decode_ids and w.load.get("outstanding_tokens", 0))
-                  for w in list_now(client, "colocated") if w.load.get("spill_only"))
+                  for w in workers["colocated"] if w.load.get("spill_only"))
     return spilled or policy.saturated(queued, running)
 
 
