@@ -80,7 +80,7 @@ class WorkerRegistry:
 
     async def mark_spilling(self, hold_s: float) -> None:
         """Records that this router is spilling requests (sent to spill-only colocated workers) now; the
-        mark lapses hold_s later unless renewed. Read by spilling_now (the launcher's control placement)."""
+        mark lapses hold_s later unless renewed. Read by lists_now (the launcher's control placement)."""
         await self._redis.set(SPILLING_KEY, 1, px=int(hold_s * 1000))
 
     async def list(self, role: str) -> list[WorkerRecord]:
@@ -92,16 +92,12 @@ class WorkerRegistry:
         return _parse_records(role, await self._redis.mget([worker_key(role, i) for i in ids]))
 
 
-def list_now(client: redis.Redis, role: str) -> list[WorkerRecord]:
-    """WorkerRegistry.list with a synchronous client, for threads outside an event loop (the launcher's);
-    reads only (expired index entries are left for the workers' registries to prune)."""
-    ids = [i.decode() for i in client.zrangebyscore(index_key(role), server_time_now(client), "+inf")]
-    return _parse_records(role, client.mget([worker_key(role, i) for i in ids])) if ids else []
-
-
 def lists_now(client: redis.Redis, roles: tuple[str, ...]) -> tuple[bool, dict[str, list[WorkerRecord]]]:
-    """spilling_now and list_now of every role in `roles`, in two round trips to Redis rather than
-    2 + 3 per role (the launcher checks them ten times a second, on cores the workers use)."""
+    """Whether some router marked itself spilling within its hold time (WorkerRegistry.mark_spilling), and
+    the live workers of every role in `roles` (WorkerRegistry.list, read only: expired index entries are
+    left for the workers' registries to prune), with a synchronous client, for threads outside an event
+    loop (the launcher's control placement, ten times a second on cores the workers use): three
+    pipelined round trips to Redis."""
     with client.pipeline(transaction=False) as pipe:
         pipe.exists(SPILLING_KEY)
         pipe.time()
@@ -116,16 +112,6 @@ def lists_now(client: redis.Redis, roles: tuple[str, ...]) -> tuple[bool, dict[s
                 pipe.mget([worker_key(role, i) for i in ids[role]])
         values = iter(pipe.execute())
     return bool(spilling), {role: _parse_records(role, next(values)) if ids[role] else [] for role in roles}
-
-
-def spilling_now(client: redis.Redis) -> bool:
-    """Whether some router marked itself spilling within its hold time (WorkerRegistry.mark_spilling)."""
-    return bool(client.exists(SPILLING_KEY))
-
-
-def server_time_now(client: redis.Redis) -> float:
-    seconds, microseconds = client.time()
-    return seconds + microseconds / 1e6
 
 
 def _parse_records(role: str, values: list[bytes | None]) -> list[WorkerRecord]:

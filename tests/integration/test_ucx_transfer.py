@@ -17,12 +17,17 @@ from services.prefill.held_kv import HeldKv
 SHAPE = (2, 2, 2, 300, 64)  # [L, 2, H, T, D], ~600 KB
 
 
+def serving_and_freeing(held: dict[str, torch.Tensor]) -> tuple[KvSender, str]:
+    """A started sender of `held`'s buffers that drops each once its receipt is acknowledged, and its address."""
+    sender = KvSender(lookup=held.get, on_sent=lambda handle_id, num_bytes, seconds: held.pop(handle_id, None))
+    return sender, f"127.0.0.1:{sender.start(0)}"
+
+
 @pytest.mark.parametrize("cancel_after_yields", [1, 2, 3, 5, 8, 13])
 async def test_pull_after_a_cancelled_pull_gets_its_own_bytes(cancel_after_yields):
     init_ucx()
     held = {"A": torch.full(SHAPE, 1.0), "B": torch.full(SHAPE, 2.0)}
-    sender = KvSender(lookup=held.get, on_sent=lambda handle_id, num_bytes, seconds: held.pop(handle_id, None))
-    address = f"127.0.0.1:{sender.start(0)}"
+    sender, address = serving_and_freeing(held)
     receiver = KvReceiver()
     try:
         await receiver.connect(address)
@@ -49,8 +54,7 @@ async def test_unknown_handle_is_a_transfer_error_and_the_endpoint_recovers():
 
     init_ucx()
     held = {"B": torch.full(SHAPE, 3.0)}
-    sender = KvSender(lookup=held.get, on_sent=lambda handle_id, num_bytes, seconds: held.pop(handle_id, None))
-    address = f"127.0.0.1:{sender.start(0)}"
+    sender, address = serving_and_freeing(held)
     receiver = KvReceiver()
     try:
         with pytest.raises(TransferError):
@@ -170,8 +174,7 @@ async def test_the_progress_thread_sleeps_the_set_interval_and_transfers_still_c
 
     init_ucx()
     held = {"C": torch.full(SHAPE, 4.0)}
-    sender = KvSender(lookup=held.get, on_sent=lambda handle_id, num_bytes, seconds: held.pop(handle_id, None))
-    address = f"127.0.0.1:{sender.start(0)}"
+    sender, address = serving_and_freeing(held)
     receiver = KvReceiver()
     try:
         await receiver.connect(address)

@@ -12,7 +12,7 @@ import redis
 
 from distserve.control_placement import ControlPlacement, every_core_busy
 from distserve.cpus import move_threads
-from distserve.registry import WorkerRecord, WorkerRegistry, list_now, lists_now, spilling_now
+from distserve.registry import WorkerRecord, WorkerRegistry, lists_now
 from distserve.spill_policy import SpillPolicy
 
 POLICY = SpillPolicy(prefill_tokens=1024, decode_running=32)
@@ -40,20 +40,15 @@ def client(redis_url):
         yield sync_client
 
 
-async def test_list_now_reads_what_the_async_registry_lists(redis_client, client):
-    await publish(redis_client, *pair(queued=7))
-    assert list_now(client, "prefill") == await WorkerRegistry(redis_client, 30).list("prefill")
-    assert list_now(client, "colocated") == []
-
-
-async def test_lists_now_reads_what_list_now_and_spilling_now_read(redis_client, client):
+async def test_lists_now_reads_what_the_async_registry_lists_and_the_spilling_mark(redis_client, client):
     roles = ("prefill", "decode", "colocated")
     assert lists_now(client, roles) == (False, {role: [] for role in roles})
     await publish(redis_client, *pair(queued=7), spill("p0", running=2))
-    await WorkerRegistry(redis_client, 30).mark_spilling(5.0)
+    registry = WorkerRegistry(redis_client, 30)
+    await registry.mark_spilling(5.0)
     spilling, workers = lists_now(client, roles)
-    assert spilling is spilling_now(client) is True
-    assert workers == {role: list_now(client, role) for role in roles}
+    assert spilling is True
+    assert workers == {role: await registry.list(role) for role in roles}
     assert [w.worker_id for w in workers["colocated"]] == ["p0"] and workers["prefill"]
 
 
