@@ -17,11 +17,25 @@ import torch
 import torch.nn.functional as F
 
 from distserve.engine.cpu_kernels import cpu_kernels
+from distserve.engine.dtype import cpu_flags
 
 # Most rows for which our kernel beats oneDNN (measured: benchmarks/engine_roofline.py,
 # "linear_gbps_by_rows"): beyond them its per-row reductions and passes over the tile cost more than
-# oneDNN's blocking saves.
+# oneDNN's blocking saves. Where the CPU lacks the AVX-512 instructions of its register-tiled path it
+# runs a portable loop, faster than oneDNN at one row only (AMD EPYC with AVX2, one core, float32,
+# median of 30: 2816x512 weight 0.15 / 0.24 ms at 1 row, 0.37 / 0.23 at 2; lm_head 32000x512 5.5 /
+# 8.6 ms at 1, 7.3 / 10.0 at 2 but 12.3 / 10.0 at 4).
 SKINNY_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+PORTABLE_SKINNY_ROWS = 1
+# The instructions the register-tiled path of csrc/skinny_matmul.cpp needs, per dtype.
+SKINNY_VECTOR_FLAGS = {torch.float32: {"avx512f"}, torch.bfloat16: {"avx512f", "avx512_bf16"}}
+
+
+def skinny_rows(dtype: torch.dtype) -> int:
+    """Most rows a linear of this dtype runs through our kernel on this CPU (0: never)."""
+    if dtype not in SKINNY_ROWS:
+        return 0
+    return SKINNY_ROWS[dtype] if SKINNY_VECTOR_FLAGS[dtype] <= cpu_flags() else PORTABLE_SKINNY_ROWS
 
 # The batch size oneDNN is told to expect when it packs a weight: it picks the blocked layout by it.
 # Measured on one core, Xeon with AMX: single matmuls of the default model at 4-256 rows were as fast
@@ -31,8 +45,12 @@ PACK_BATCH_HINT = 64
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN's packed layout, where it has a kernel for the dtype: its bf16 path needs AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT, and on a CPU with neither (AVX2 only) packing a bf16 weight raises."""
+    if not (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return weight.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear:
@@ -46,7 +64,7 @@ class Linear:
         self._can_prepack = _can_prepack(weight)
         self._packed: torch.Tensor | None = None
         self._kernels = cpu_kernels() if weight.device.type == "cpu" else None
-        self._skinny_rows = SKINNY_ROWS.get(weight.dtype, 0)
+        self._skinny_rows = skinny_rows(weight.dtype)
 
     def runs_own_kernel(self, rows: int) -> bool:
         """Whether `rows` rows go through our compiled small-batch kernel (else oneDNN or F.linear)."""

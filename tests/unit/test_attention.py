@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from distserve.engine.attention import PagedDecodeAttention, decode_mask, paged_attention, prefill_attention
 from distserve.engine.cpu_kernels import cpu_kernels
 from distserve.engine.kv_cache import PagedKvCache, blocks_needed
+from tests.kernel_support import compiled_op
 
 BLOCK_SIZE = 4
 
@@ -131,24 +132,35 @@ def _masked_reference(q, kv, position, window):
 def test_compiled_bf16_prefill_attention_equals_sdpa(head_dim, heads, kv_heads, length, position, window):
     """Chunks at any position, sliding windows, GQA groups, and lengths that end mid query-block and
     mid key-block, against float32 SDPA (bf16-level tolerance: the output is rounded to bf16)."""
-    kernels = cpu_kernels()
-    assert kernels is not None
+    kernel = compiled_op("prefill_attention_bf16") or _sdpa_prefill_attention  # the engine's path without it
     generator = torch.Generator().manual_seed(length * 7 + position)
     q = torch.randn(length, heads, head_dim, generator=generator).bfloat16()
     kv = torch.randn(2, position + length + 3, kv_heads, head_dim, generator=generator).bfloat16()
-    got = kernels.prefill_attention_bf16(q, kv, position, window, head_dim ** -0.5)
+    got = kernel(q, kv, position, window, head_dim ** -0.5)
     assert got.shape == (length, heads * head_dim) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), _masked_reference(q, kv, position, window), atol=2e-2, rtol=2e-2)
 
 
+def _sdpa_prefill_attention(q, kv, position, window, scale):
+    """prefill_attention's torch path (SDPA) for one chunk whose K/V are already in kv [2, T, Hkv, D]."""
+    from distserve.engine.model import PrefillChunk
+
+    assert scale == q.shape[-1] ** -0.5
+    end = position + len(q)
+    chunk = PrefillChunk(0, len(q), position, kv[None])
+    return prefill_attention(q, kv[0, position:end], kv[1, position:end], [chunk], 0, window or None)
+
+
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_prefill_uses_the_compiled_kernel_without_amx_and_float32_keeps_sdpa(monkeypatch, amx):
-    """Ours where the CPU has AVX512-BF16 but no AMX; with AMX, SDPA (its GEMMs run on AMX tiles)."""
+    """Ours where the CPU has AVX512-BF16 but no AMX; with AMX (its GEMMs run on AMX tiles) or without
+    AVX512-BF16, SDPA."""
     from distserve.engine import attention
 
     monkeypatch.setattr(attention, "cpu_has_amx", lambda: amx)
     bf16 = torch.empty(1, 8, 64, dtype=torch.bfloat16)
-    assert (attention.bf16_prefill_kernel(bf16) is not None) == (not amx)
+    expected = compiled_op("prefill_attention_bf16") if not amx else None
+    assert attention.bf16_prefill_kernel(bf16) == expected
     assert attention.bf16_prefill_kernel(torch.empty(1, 8, 64)) is None  # float32: token-exact with transformers
     assert attention.bf16_prefill_kernel(torch.empty(1, 8, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
 
@@ -162,8 +174,7 @@ def test_bf16_prefill_uses_the_compiled_kernel_without_amx_and_float32_keeps_sdp
 def test_compiled_avx512_decode_attention_equals_dense_sdpa(head_dim, heads, kv_heads, window, op, dtype, tolerance):
     """Random interleaved block tables; lengths that end mid key-tile (1, 15, 17, 40) and on one (16, 32);
     GQA groups of 1, 2, 3 (odd: the single-head path) and 8; against float32 SDPA."""
-    kernels = cpu_kernels()
-    assert kernels is not None
+    kernel = compiled_op(op) or cpu_kernels().paged_decode_attention  # the engine's kernel without it
     generator = torch.Generator().manual_seed(head_dim + heads * 10 + kv_heads + (window or 0))
     lengths = [1, 15, 16, 17, 32, 40]
     cache = PagedKvCache(1, kv_heads, head_dim, 64, BLOCK_SIZE, dtype, "cpu")
@@ -178,8 +189,8 @@ def test_compiled_avx512_decode_attention_equals_dense_sdpa(head_dim, heads, kv_
         dense_k.append(k.transpose(0, 1))
         dense_v.append(v.transpose(0, 1))
     q = torch.randn(len(lengths), heads, head_dim, generator=generator).to(dtype)
-    got = getattr(kernels, op)(q, cache.layer(0), cache.block_table_tensor(tables, lengths), torch.tensor(lengths),
-                               window or 0, head_dim ** -0.5)
+    got = kernel(q, cache.layer(0), cache.block_table_tensor(tables, lengths), torch.tensor(lengths),
+                 window or 0, head_dim ** -0.5)
     assert got.shape == q.shape and got.dtype == dtype
     assert_matches_dense(got.reshape(len(lengths), -1), q, dense_k, dense_v, window, tolerance)
 
@@ -191,7 +202,8 @@ def test_compiled_avx512_decode_attention_refuses_a_sequence_without_keys(op, dt
     q = torch.zeros(2, 8, 64, dtype=dtype)
     tables = cache.block_table_tensor([[0], [1]], [3, 1])
     with pytest.raises(RuntimeError, match="at least one key"):
-        getattr(cpu_kernels(), op)(q, cache.layer(0), tables, torch.tensor([3, 0]), 0, 0.125)
+        (compiled_op(op) or cpu_kernels().paged_decode_attention)(q, cache.layer(0), tables, torch.tensor([3, 0]),
+                                                                   0, 0.125)
 
 
 def test_decode_uses_the_avx512_kernel_for_its_dtype_and_head_dim():
@@ -199,14 +211,14 @@ def test_decode_uses_the_avx512_kernel_for_its_dtype_and_head_dim():
 
     kernels = cpu_kernels()
     assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.bfloat16)) == \
-        kernels.paged_decode_attention_bf16
-    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 128)) == kernels.paged_decode_attention_f32
+        compiled_op("paged_decode_attention_bf16")  # None where the CPU lacks AVX512-BF16: the generic kernel
+    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 128)) == compiled_op("paged_decode_attention_f32")
     assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
     assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.float16)) is None  # no float16 kernel
     for dtype in (torch.bfloat16, torch.float32):
         cache = PagedKvCache(1, 4, 64, 8, BLOCK_SIZE, dtype, "cpu")
         attention = PagedDecodeAttention(cache, cache.block_table_tensor([[0]], [1]), torch.tensor([1]), None)
-        assert attention.kernel == avx512_decode_kernel(cache.layer(0))
+        assert attention.kernel == (avx512_decode_kernel(cache.layer(0)) or kernels.paged_decode_attention)
     cache = PagedKvCache(1, 4, 16, 8, BLOCK_SIZE, torch.float32, "cpu")  # head_dim 16: the generic kernel
     attention = PagedDecodeAttention(cache, cache.block_table_tensor([[0]], [1]), torch.tensor([1]), None)
     assert attention.kernel == kernels.paged_decode_attention

@@ -1,4 +1,5 @@
-"""The fused small-op kernels of bfloat16 layers (silu*up, residual add + RMSNorm, RoPE) against torch."""
+"""The fused small-op kernels of bfloat16 layers (silu*up, residual add + RMSNorm, RoPE) against torch.
+Where the CPU lacks AVX512-BF16 they are not built, and a bf16 model keeps torch's ops (the reference)."""
 
 from __future__ import annotations
 
@@ -6,37 +7,47 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distserve.engine.cpu_kernels import cpu_kernels
+from distserve.engine import model
 from distserve.engine.model import apply_rope, rms_norm
+from tests.kernel_support import compiled_op
 
 
 @pytest.mark.parametrize("rows, width", [(1, 1408), (7, 1409), (64, 16)])
 def test_fused_silu_and_mul_equals_torch(rows, width):
-    kernels = cpu_kernels()
+    silu_and_mul = compiled_op("silu_and_mul_bf16")
+    if silu_and_mul is None:  # a bf16 model then runs torch's silu and mul
+        assert model._fused_silu_and_mul("silu", torch.empty(1, dtype=torch.bfloat16)) is None
+        return
     generator = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 2 * width, generator=generator) * 4).bfloat16()
     gate, up = x.float().chunk(2, dim=-1)
-    torch.testing.assert_close(kernels.silu_and_mul_bf16(x).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(silu_and_mul(x).float(), F.silu(gate) * up, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_add_rms_norm_equals_the_transformers_formula(rows):
     """The sum is torch's bf16 add bit for bit and the norm is LlamaRMSNorm's (float32 normalise, bf16
     round, times the weight); without a delta it only normalises."""
-    kernels = cpu_kernels()
+    add_rms_norm = compiled_op("add_rms_norm_bf16")
+    if add_rms_norm is None:  # a bf16 model then runs transformers' formula in torch ops
+        assert model._fused_norm_rope(torch.empty(1, dtype=torch.bfloat16), 512, 64) is None
+        return
     generator = torch.Generator().manual_seed(rows)
     residual, delta = (torch.randn(rows, 512, generator=generator).bfloat16() for _ in range(2))
     weight = (torch.rand(512, generator=generator) + 0.5).bfloat16()
-    total, normed = kernels.add_rms_norm_bf16(residual, delta, weight, 1e-6)
+    total, normed = add_rms_norm(residual, delta, weight, 1e-6)
     assert torch.equal(total, residual + delta)
     torch.testing.assert_close(normed, rms_norm(residual + delta, weight, 1e-6), atol=1e-2, rtol=1e-2)
-    _, alone = kernels.add_rms_norm_bf16(residual, None, weight, 1e-6)
+    _, alone = add_rms_norm(residual, None, weight, 1e-6)
     torch.testing.assert_close(alone, rms_norm(residual, weight, 1e-6), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("rows, head_dim", [(1, 64), (9, 64), (5, 128)])
 def test_rope_rotates_q_and_k_in_place_and_leaves_v(rows, head_dim):
-    kernels = cpu_kernels()
+    rope = compiled_op("rope_bf16_")
+    if rope is None:  # a bf16 model then runs apply_rope in torch ops
+        assert model._fused_norm_rope(torch.empty(1, dtype=torch.bfloat16), 512, head_dim) is None
+        return
     generator = torch.Generator().manual_seed(rows)
     heads, kv_heads = 4, 2
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator).bfloat16()
@@ -45,7 +56,7 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(rows, head_dim):
     before = qkv.clone()
     rotated = apply_rope(before[:, :(heads + kv_heads) * head_dim].float().view(rows, -1, head_dim),
                          cos.float()[:, None], sin.float()[:, None])
-    kernels.rope_bf16_(qkv, cos, sin, heads + kv_heads, head_dim)
+    rope(qkv, cos, sin, heads + kv_heads, head_dim)
     torch.testing.assert_close(qkv[:, :(heads + kv_heads) * head_dim].float().view(rows, -1, head_dim), rotated,
                                atol=2e-2, rtol=2e-2)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], before[:, (heads + kv_heads) * head_dim:])

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from distserve.engine.cpu_kernels import cpu_kernels
+from distserve.engine import linear
 from distserve.engine.linear import Linear
 
 
@@ -40,3 +41,25 @@ def test_the_compiled_kernel_is_built_and_matches(dtype, tolerance, rows, out_fe
     got = kernels.skinny_linear(x, weight)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float() / scale, expected / scale, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("flags, float32_rows, bfloat16_rows", [
+    ({"avx2", "avx512f", "avx512_bf16"}, 16, 4),  # the register-tiled AVX-512 path for both
+    ({"avx2", "avx512f"}, 16, 1),  # float32 tiled; bf16 through the portable loop
+    ({"avx2", "fma"}, 1, 1),  # the portable loop only: it beats oneDNN at one row, not at two
+])
+def test_small_batch_rows_follow_the_cpu_the_kernel_was_built_for(monkeypatch, flags, float32_rows, bfloat16_rows):
+    monkeypatch.setattr(linear, "cpu_flags", lambda: flags)
+    assert linear.skinny_rows(torch.float32) == float32_rows
+    assert linear.skinny_rows(torch.bfloat16) == bfloat16_rows
+    assert linear.skinny_rows(torch.float16) == 0
+
+
+def test_a_bf16_weight_is_packed_only_where_onednn_has_a_bf16_kernel(monkeypatch):
+    """Packing a bf16 weight raises on a CPU without AVX512-BW/VL/DQ or AVX-NE-CONVERT (AVX2 only)."""
+    weight = torch.randn(8, 16).bfloat16()
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    assert not linear._can_prepack(weight)
+    assert linear._can_prepack(weight.float()) == torch.backends.mkldnn.is_available()
+    got = Linear(weight)(torch.ones(64, 16).bfloat16())  # 64 rows: past our kernel, F.linear
+    torch.testing.assert_close(got.float(), F.linear(torch.ones(64, 16), weight.float()), atol=5e-2, rtol=5e-2)

@@ -78,6 +78,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor blo
   TORCH_CHECK(q.size(1) % cache.size(3) == 0 && q.size(2) == cache.size(4), "q and cache heads do not match");
   auto tables = block_tables.to(at::kLong).contiguous();
   auto lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "one block table and length per query");
+  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(lens_ptr, lens_ptr + lens.numel(), [](int64_t n) { return n > 0; }),
+              "every sequence needs at least one key");  // softmax over no keys: 0 / 0
   const Shape shape{q.size(1), cache.size(3), q.size(2), cache.size(2), cache.stride(0)};
   const int64_t batch = q.size(0), max_blocks = tables.size(1);
   auto out = at::empty_like(q);

@@ -1,0 +1,37 @@
+"""Which compiled CPU kernels this machine has.
+
+csrc/ builds each AVX-512 kernel only where the CPU has its instructions (-march=native), and the
+engine then takes the torch or portable path. Tests of a kernel use `compiled_op`: it checks that the
+build holds the op exactly where the CPU can run it, and gives the op or None; on a CPU without it,
+the test checks the path the engine takes instead against the same reference.
+"""
+
+from __future__ import annotations
+
+from distserve.engine.cpu_kernels import cpu_kernels, has_op
+from distserve.engine.dtype import cpu_flags
+
+_AVX512 = frozenset({"avx512f"})
+_AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})
+OP_CPU_FLAGS = {
+    "paged_decode_attention_f32": _AVX512,
+    "sampling_weights_f32": _AVX512,
+    "paged_decode_attention_bf16": _AVX512_BF16,
+    "prefill_attention_bf16": _AVX512_BF16,
+    "silu_and_mul_bf16": _AVX512_BF16,
+    "add_rms_norm_bf16": _AVX512_BF16,
+    "rope_bf16_": _AVX512_BF16,
+}
+
+
+def cpu_runs(op: str) -> bool:
+    """Whether this CPU has the instructions `op` needs."""
+    return OP_CPU_FLAGS[op] <= cpu_flags()
+
+
+def compiled_op(op: str):
+    """torch.ops.distserve.<op> where this CPU can run it, else None; asserts the build agrees."""
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here (compiler and ninja are installed)"
+    assert has_op(kernels, op) == cpu_runs(op), f"{op} built: {has_op(kernels, op)}, CPU runs it: {cpu_runs(op)}"
+    return getattr(kernels, op) if cpu_runs(op) else None
