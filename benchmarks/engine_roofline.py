@@ -92,11 +92,16 @@ def linear_sweep(runner: ModelRunner, rows_list=(1, 2, 4, 6, 8, 12, 16)) -> dict
 
 
 def prefill_flops(runner: ModelRunner, num_tokens: int) -> float:
-    """Matmul FLOPs of one prompt: linear layers on every token, causal attention, one lm_head row."""
+    """Matmul FLOPs one prompt's prefill executes: every layer's linears on every token and causal
+    attention, except the last layer, which runs q/k/v on every token but attention, o-proj and MLP
+    only for the last one (`model.last_layer_rows`); one lm_head row."""
     a, w = runner.model.args, runner.model.weights
     layer_params = sum(lin.in_features * lin.out_features for lin in w.layers[0].linears)
+    qkv_params = w.layers[0].qkv.in_features * w.layers[0].qkv.out_features
     attention = 2 * 2 * a.num_heads * a.head_dim * num_tokens * num_tokens / 2  # QK^T and PV, causal half
-    return a.num_layers * (2 * layer_params * num_tokens + attention) + 2 * w.lm_head.in_features * w.lm_head.out_features
+    last_layer = 2 * qkv_params * num_tokens + 2 * (layer_params - qkv_params) + 2 * 2 * a.num_heads * a.head_dim * num_tokens
+    return ((a.num_layers - 1) * (2 * layer_params * num_tokens + attention) + last_layer
+            + 2 * w.lm_head.in_features * w.lm_head.out_features)
 
 
 def main() -> None:

@@ -25,34 +25,45 @@ def _window_mask(q_positions: torch.Tensor, num_keys: int, window: int | None) -
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks, layer: int,
-                      window: int | None) -> torch.Tensor:
+                      window: int | None, queries: list[int] | None = None) -> torch.Tensor:
     """Attention for a packed batch of prompt chunks.
 
     q: [N, H, D]; k, v: [N, Hkv, D]. Each chunk's k/v are first stored into its prompt's KV buffer
     (chunk.kv[layer]: [2, T, Hkv, D]) at positions [chunk.position, +length); its queries then attend
     to the buffer's positions [0, position + length) causally. Returns [N, H * D].
+
+    queries, if given, holds per chunk how many of its trailing rows want an output (0 to length):
+    K/V are still stored for every row, and the result is [sum(queries), H * D], chunk by chunk.
     """
-    out = torch.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=q.dtype, device=q.device)
+    counts = queries if queries is not None else [c.length for c in chunks]
+    out = torch.empty((sum(counts), q.shape[1] * q.shape[2]), dtype=q.dtype, device=q.device)
     kernel = bf16_prefill_kernel(q)
-    for chunk in chunks:
-        rows = slice(chunk.start, chunk.start + chunk.length)
+    done = 0
+    for chunk, count in zip(chunks, counts):
         end = chunk.position + chunk.length
         buffer = chunk.kv[layer]  # [2, T, Hkv, D]
+        rows = slice(chunk.start, chunk.start + chunk.length)
         buffer[0, chunk.position:end] = k[rows]
         buffer[1, chunk.position:end] = v[rows]
-        if kernel is not None:
-            out[rows] = kernel(q[rows].contiguous(), buffer, chunk.position, window or 0, q.shape[-1] ** -0.5)
+        if count == 0:
             continue
-        qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        first = end - count  # the first query's position in the prompt
+        query_rows = slice(chunk.start + chunk.length - count, chunk.start + chunk.length)
+        out_rows = slice(done, done + count)
+        done += count
+        if kernel is not None:
+            out[out_rows] = kernel(q[query_rows].contiguous(), buffer, first, window or 0, q.shape[-1] ** -0.5)
+            continue
+        qc = q[query_rows].transpose(0, 1).unsqueeze(0)  # [1, H, count, D]
         kc = buffer[0, :end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, end, D]
         vc = buffer[1, :end].transpose(0, 1).unsqueeze(0)
-        if chunk.position == 0 and (window is None or end <= window):
+        if first == 0 and (window is None or end <= window):
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         else:
-            positions = torch.arange(chunk.position, end, device=q.device)
-            mask = _window_mask(positions, end, window)  # [n, end]
+            positions = torch.arange(first, end, device=q.device)
+            mask = _window_mask(positions, end, window)  # [count, end]
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1).reshape(chunk.length, -1)  # [n, H * D]
+        out[out_rows] = o[0].transpose(0, 1).reshape(count, -1)  # [count, H * D]
     return out
 
 

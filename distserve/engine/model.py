@@ -2,7 +2,8 @@
 
 - `prefill`: a packed batch of prompt chunks, no padding tokens. Each chunk's K/V is written once,
   straight into its prompt's contiguous KV buffer [L, 2, T, Hkv, D] (the layout that is sent), and
-  its attention reads that buffer, so a prompt can be prefilled in several chunks.
+  its attention reads that buffer, so a prompt can be prefilled in several chunks. The last layer
+  carries only the rows whose logits are wanted past its K/V (for a whole prompt, its last token).
 - `decode`: one token per sequence. Each new token's K/V is written in place into the paged cache;
   attention reads the cache layer by layer through the block tables (`paged_attention`).
 
@@ -16,6 +17,7 @@ equal to the Python layer. The same code runs on CUDA, with torch's ops.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import torch
@@ -133,7 +135,7 @@ class LlamaModel:
 
         input_ids, positions: [N] (on the model's device); chunks cover [0, P) in order.
         Returns float32 logits [len(logits_rows), V] at the packed rows asked for; no other row's
-        logits are computed.
+        logits are computed, and past its K/V the last layer runs only those rows (`last_layer_rows`).
         """
         num_prefill = sum(c.length for c in chunks)
         layers = self.weights.layers
@@ -142,23 +144,32 @@ class LlamaModel:
         normed = self._norm(h, layers[0].input_norm)
         compiled = (paged is not None and not chunks and self.compiled_decode_layer is not None
                     and layers[0].qkv.runs_own_kernel(len(input_ids)))
+        last = last_layer_rows(chunks, len(input_ids), logits_rows)
+
+        def attend(x, i, layer, queries=None):
+            q, k, v = self._qkv(layer, x, rope)
+            parts = []
+            if chunks:
+                parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], chunks, i,
+                                               self.args.sliding_window, queries))
+            if paged is not None:
+                paged.cache.write_slots(i, paged.slots, k[num_prefill:], v[num_prefill:])
+                parts.append(paged.attention(q[num_prefill:], paged.cache.layer(i)))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.norm
             if compiled:  # the same maths as below, without a Python call per op
                 h, normed = self._compiled_layer(i, layer, h, normed, rope, paged, next_norm)
-                continue
-
-            def attend(x, i=i, layer=layer):
-                q, k, v = self._qkv(layer, x, rope)
-                parts = []
-                if chunks:
-                    parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], chunks, i,
-                                                   self.args.sliding_window))
-                if paged is not None:
-                    paged.cache.write_slots(i, paged.slots, k[num_prefill:], v[num_prefill:])
-                    parts.append(paged.attention(q[num_prefill:], paged.cache.layer(i)))
-                return parts[0] if len(parts) == 1 else torch.cat(parts)
-            h, normed = self._layer(layer, h, normed, attend, next_norm)
+            elif last is not None and i == len(layers) - 1:
+                if not last.logits_rows:  # no row wants logits: the last layer only stores its K/V
+                    attend(normed, i, layer, last.queries)
+                    return torch.empty((0, self.args.vocab_size), dtype=torch.float32, device=self.device)
+                h, normed = self._layer(layer, h[last.keep], normed,
+                                        lambda x, i=i, layer=layer: attend(x, i, layer, last.queries), next_norm)
+                logits_rows = last.logits_rows
+            else:
+                h, normed = self._layer(layer, h, normed, lambda x, i=i, layer=layer: attend(x, i, layer), next_norm)
         return self.weights.lm_head(normed[logits_rows]).float()  # float32 logits [len(logits_rows), V]
 
     def _compiled_layer(self, i: int, layer: LayerWeights, h: torch.Tensor, normed: torch.Tensor,
@@ -186,6 +197,44 @@ class LlamaModel:
         """
         paged = PagedStep(cache, block_tables, positions, slots, self.args.sliding_window)
         return self.forward(input_ids, positions, [], paged, slice(None))
+
+
+@dataclasses.dataclass
+class LastLayerRows:
+    """The rows the last layer carries past its K/V: only rows whose logits are wanted matter there,
+    as no later layer reads the others' hidden states (their K/V is still stored). For a prompt whose
+    last row alone wants logits this skips the last layer's attention, o-proj and MLP for the rest of
+    its rows: ~1/num_layers of a prefill's matmuls."""
+
+    queries: list[int]  # per chunk: how many of its trailing rows are kept (see prefill_attention)
+    keep: torch.Tensor  # [K] packed row indices kept: each chunk's trailing rows, then every decode row
+    logits_rows: list[int]  # the asked-for logits rows, renumbered as indices into keep
+
+
+def last_layer_rows(chunks: list[PrefillChunk], num_rows: int, logits_rows: list[int] | slice) -> LastLayerRows | None:
+    """The last layer's kept rows for a step whose prompt rows are `chunks` (rows [0, P)) and decode
+    rows [P, num_rows); None where every row is kept anyway (a decode-only step, all logits wanted)."""
+    if not chunks or isinstance(logits_rows, slice):
+        return None
+    num_prefill = sum(c.length for c in chunks)
+    first_wanted = {}  # chunk index -> its first row that wants logits
+    starts = [c.start for c in chunks]
+    for row in logits_rows:
+        if row < num_prefill:
+            index = bisect.bisect_right(starts, row) - 1
+            first_wanted[index] = min(row, first_wanted.get(index, row))
+    queries, keep = [], []
+    for index, chunk in enumerate(chunks):
+        end = chunk.start + chunk.length
+        first = first_wanted.get(index, end)
+        queries.append(end - first)
+        keep += range(first, end)
+    keep += range(num_prefill, num_rows)
+    if len(keep) == num_rows:
+        return None
+    renumbered = {row: k for k, row in enumerate(keep)}
+    return LastLayerRows(queries, torch.tensor(keep, dtype=torch.long, device=chunks[0].kv.device),
+                         [renumbered[row] for row in logits_rows])
 
 
 class PagedStep:

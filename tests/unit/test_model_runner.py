@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distserve.engine.kv_cache import PagedKvCache, blocks_needed
+from distserve.engine.model import PrefillChunk, last_layer_rows
 from distserve.engine.model_loader import load_engine_model, load_model
 from distserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
 from distserve.engine.model_spec import load_model_spec
@@ -127,3 +128,58 @@ def test_mixed_step_equals_separate_prefill_and_decode(runner, spec, prompts):
                                               DecodeWork(cache, tables, lengths, firsts))
     torch.testing.assert_close(mixed_prefill, alone_prefill, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(mixed_decode, alone_decode, rtol=1e-4, atol=1e-4)
+
+
+def _forward_with_every_row(runner, prompt_chunks):
+    """model.forward over (tokens, position, kv) chunks: logits for every row, so no row is pruned."""
+    ids, positions, chunks = [], [], []
+    for tokens, position, kv in prompt_chunks:
+        chunks.append(PrefillChunk(len(ids), len(tokens), position, kv))
+        ids += tokens
+        positions += range(position, position + len(tokens))
+    logits = runner.model.forward(torch.tensor(ids), torch.tensor(positions), chunks, None, list(range(len(ids))))
+    return logits, chunks
+
+
+def test_last_layer_keeps_only_rows_whose_logits_are_wanted(runner, prompts):
+    """Pruning the last layer to the wanted rows gives those rows' logits and every K/V as computing all rows."""
+    first, second, third = prompts[1], prompts[2], prompts[0]
+    kvs = [runner.new_kv_buffer(len(p)) for p in (first, second, third)]
+    ref_kvs = [kv.clone() for kv in kvs]
+    # second's first 10 tokens are already in its buffer: this step prefills its tokens [10, 25), not its last
+    runner.prefill_chunks([PrefillWork(second[:10], 0, kvs[1], False)])
+    ref_kvs[1][:, :, :10] = kvs[1][:, :, :10]
+    works = [PrefillWork(first, 0, kvs[0], True), PrefillWork(second[10:25], 10, kvs[1], False),
+             PrefillWork(third, 0, kvs[2], True, wants_all_logits=True)]
+    last_logits = runner.prefill_chunks(works)
+
+    every, chunks = _forward_with_every_row(runner, [(first, 0, ref_kvs[0]), (second[10:25], 10, ref_kvs[1]),
+                                                     (third, 0, ref_kvs[2])])
+    third_rows = slice(chunks[2].start, chunks[2].start + len(third))
+    torch.testing.assert_close(last_logits, every[[len(first) - 1, chunks[2].start + len(third) - 1]],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(works[2].all_logits, every[third_rows], rtol=1e-5, atol=1e-5)
+    for kv, ref in zip(kvs, ref_kvs):
+        written = slice(0, 25) if kv.shape[2] == len(second) else slice(None)
+        torch.testing.assert_close(kv[:, :, written], ref[:, :, written], rtol=0, atol=0)
+
+
+def test_last_layer_rows_plans_trailing_rows_per_chunk():
+    kv = torch.empty(1)
+    chunks = [PrefillChunk(0, 5, 0, kv), PrefillChunk(5, 3, 7, kv), PrefillChunk(8, 4, 0, kv)]
+    plan = last_layer_rows(chunks, 14, [4, 8, 9, 10, 11, 11, 12, 13])  # chunk 1 wants nothing; 2 decode rows
+    assert plan.queries == [1, 0, 4]
+    assert plan.keep.tolist() == [4, 8, 9, 10, 11, 12, 13]
+    assert plan.logits_rows == [0, 1, 2, 3, 4, 4, 5, 6]
+    assert last_layer_rows(chunks, 12, list(range(12))) is None  # every row wanted: nothing to prune
+    assert last_layer_rows([], 3, slice(None)) is None
+
+
+def test_a_step_with_no_wanted_logits_still_stores_every_layers_kv(runner, prompts):
+    prompt = prompts[2]
+    kv = runner.new_kv_buffer(len(prompt))
+    kv.fill_(float("nan"))
+    assert runner.prefill_chunks([PrefillWork(prompt[:20], 0, kv, False)]).shape[0] == 0
+    ref = runner.new_kv_buffer(len(prompt))
+    _forward_with_every_row(runner, [(prompt[:20], 0, ref)])
+    torch.testing.assert_close(kv[:, :, :20], ref[:, :, :20], rtol=0, atol=0)
