@@ -1,9 +1,9 @@
 """Linear layers with weights prepared for the device's fastest matmul, chosen per call by batch rows.
 
 On CPU, measured on one core (benchmarks/engine_roofline.py, README "Engine"):
-- few rows (small-batch decode: up to 4 in bfloat16, 16 in float32): our compiled kernel
-  (csrc/skinny_matmul.cpp: register-tiled AVX-512, bf16 dot products, software prefetch into L1 and
-  L2) streams the weights faster than oneDNN there (whole decode steps, interleaved: batch 1 1.4x in
+- few rows (small-batch decode: up to 4 in bfloat16, 16 in float32; on AVX2, float32 up to 4, 16 for
+  an lm_head): our compiled kernel (csrc/skinny_matmul.cpp: register-tiled AVX-512 or AVX2, bf16 dot
+  products, software prefetch into L1 and L2) streams the weights faster than oneDNN there (whole decode steps, interleaved: batch 1 1.4x in
   bf16 and 1.7x in fp32, batch 4 1.03x in bf16, batch 16 1.2x in fp32);
 - more rows (prefill, larger decode batches): the weight prepacked into oneDNN's blocked layout,
   1.3-2x faster than `F.linear` from 4 to 256 rows in float32 and bfloat16 (PACK_BATCH_HINT). It is packed
@@ -21,21 +21,31 @@ from distserve.engine.dtype import cpu_flags
 
 # Most rows for which our kernel beats oneDNN (measured: benchmarks/engine_roofline.py,
 # "linear_gbps_by_rows"): beyond them its per-row reductions and passes over the tile cost more than
-# oneDNN's blocking saves. Where the CPU lacks the AVX-512 instructions of its register-tiled path it
-# runs a portable loop, faster than oneDNN at one row only (AMD EPYC with AVX2, one core, float32,
-# median of 30: 2816x512 weight 0.15 / 0.24 ms at 1 row, 0.37 / 0.23 at 2; lm_head 32000x512 5.5 /
-# 8.6 ms at 1, 7.3 / 10.0 at 2 but 12.3 / 10.0 at 4).
+# oneDNN's blocking saves.
 SKINNY_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+# With AVX2 + FMA only (AMD Zen 2/3, older Xeons) the tiled path runs 8 float32 lanes and 2 rows a pass.
+# AMD EPYC (AVX2), one core, medians of 30, ours / oneDNN: a 2816x512 weight 0.12 / 0.19 ms at 2 rows,
+# 0.22 / 0.32 at 4, 0.42 / 0.44 at 8, 0.66 / 0.63 at 12; 512x1408 0.15 / 0.22 at 4, 0.33 / 0.29 at 8.
+# A weight too big for the L3 (the lm_head, 32000x512: 65 MB) streams from memory at any batch, and
+# there ours stays ahead further: 6.1 / 7.9 ms at 4 rows, 7.8 / 11.1 at 8, 12.2 / 15.3 at 16, 16.0 /
+# 15.5 at 24.
+AVX2_SKINNY_ROWS, AVX2_STREAMED_SKINNY_ROWS, AVX2_STREAMED_BYTES = 4, 16, 32 << 20
+# Without either, a portable loop (one dot per row), faster than oneDNN at one row only (same box,
+# 2816x512: 0.15 / 0.24 ms at 1 row, 0.37 / 0.23 at 2).
 PORTABLE_SKINNY_ROWS = 1
-# The instructions the register-tiled path of csrc/skinny_matmul.cpp needs, per dtype.
-SKINNY_VECTOR_FLAGS = {torch.float32: {"avx512f"}, torch.bfloat16: {"avx512f", "avx512_bf16"}}
 
 
-def skinny_rows(dtype: torch.dtype) -> int:
-    """Most rows a linear of this dtype runs through our kernel on this CPU (0: never)."""
+def skinny_rows(dtype: torch.dtype, weight_bytes: int = 0) -> int:
+    """Most rows a linear of this dtype (and weight size) runs through our kernel on this CPU (0: never)."""
     if dtype not in SKINNY_ROWS:
         return 0
-    return SKINNY_ROWS[dtype] if SKINNY_VECTOR_FLAGS[dtype] <= cpu_flags() else PORTABLE_SKINNY_ROWS
+    flags = cpu_flags()
+    if dtype == torch.float32 and "avx512f" in flags or dtype == torch.bfloat16 and {"avx512f", "avx512_bf16"} <= flags:
+        return SKINNY_ROWS[dtype]
+    if dtype == torch.float32 and {"avx2", "fma"} <= flags:
+        return AVX2_STREAMED_SKINNY_ROWS if weight_bytes > AVX2_STREAMED_BYTES else AVX2_SKINNY_ROWS
+    return PORTABLE_SKINNY_ROWS
+
 
 # The batch size oneDNN is told to expect when it packs a weight: it picks the blocked layout by it.
 # Measured on one core, Xeon with AMX: single matmuls of the default model at 4-256 rows were as fast
@@ -64,7 +74,7 @@ class Linear:
         self._can_prepack = _can_prepack(weight)
         self._packed: torch.Tensor | None = None
         self._kernels = cpu_kernels() if weight.device.type == "cpu" else None
-        self._skinny_rows = skinny_rows(weight.dtype)
+        self._skinny_rows = skinny_rows(weight.dtype, self.num_bytes)
 
     def runs_own_kernel(self, rows: int) -> bool:
         """Whether `rows` rows go through our compiled small-batch kernel (else oneDNN or F.linear)."""
