@@ -8,25 +8,13 @@ the test checks the path the engine takes instead against the same reference.
 
 from __future__ import annotations
 
-from distserve.engine.cpu_kernels import cpu_kernels, has_op
+from distserve.engine.cpu_kernels import KERNEL_CPU_FLAGS, cpu_kernels, has_op
 from distserve.engine.dtype import cpu_flags
-
-_AVX512 = frozenset({"avx512f"})
-_AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})
-OP_CPU_FLAGS = {
-    "paged_decode_attention_f32": _AVX512,
-    "sampling_weights_f32": _AVX512,
-    "paged_decode_attention_bf16": _AVX512_BF16,
-    "prefill_attention_bf16": _AVX512_BF16,
-    "silu_and_mul_bf16": _AVX512_BF16,
-    "add_rms_norm_bf16": _AVX512_BF16,
-    "rope_bf16_": _AVX512_BF16,
-}
 
 
 def cpu_runs(op: str) -> bool:
     """Whether this CPU has the instructions `op` needs."""
-    return OP_CPU_FLAGS[op] <= cpu_flags()
+    return KERNEL_CPU_FLAGS[op] <= cpu_flags()
 
 
 def compiled_op(op: str):

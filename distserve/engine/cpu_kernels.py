@@ -43,6 +43,21 @@ _tried = False
 _present: dict[str, bool] = {}  # has_op's answers, by op name
 
 
+# The instructions each AVX-512 kernel is compiled with; csrc/ builds it only where the CPU has them.
+AVX512 = frozenset({"avx512f"})
+AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})
+AVX2_FMA = frozenset({"avx2", "fma"})  # the AVX2 path of skinny_linear (float32)
+KERNEL_CPU_FLAGS = {
+    "paged_decode_attention_f32": AVX512,
+    "sampling_weights_f32": AVX512,
+    "paged_decode_attention_bf16": AVX512_BF16,
+    "prefill_attention_bf16": AVX512_BF16,
+    "silu_and_mul_bf16": AVX512_BF16,
+    "add_rms_norm_bf16": AVX512_BF16,
+    "rope_bf16_": AVX512_BF16,
+}
+
+
 def enabled() -> bool:
     return os.environ.get("DISTSERVE_CPU_KERNELS", "1") not in ("0", "false", "off")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distserve.engine.cpu_kernels import cpu_kernels
+from distserve.engine.cpu_kernels import AVX2_FMA, AVX512, AVX512_BF16, cpu_kernels
 from distserve.engine.dtype import cpu_flags
 
 # Most rows for which our kernel beats oneDNN (measured: benchmarks/engine_roofline.py,
@@ -40,9 +40,9 @@ def skinny_rows(dtype: torch.dtype, weight_bytes: int = 0) -> int:
     if dtype not in SKINNY_ROWS:
         return 0
     flags = cpu_flags()
-    if dtype == torch.float32 and "avx512f" in flags or dtype == torch.bfloat16 and {"avx512f", "avx512_bf16"} <= flags:
+    if (AVX512 if dtype == torch.float32 else AVX512_BF16) <= flags:
         return SKINNY_ROWS[dtype]
-    if dtype == torch.float32 and {"avx2", "fma"} <= flags:
+    if dtype == torch.float32 and AVX2_FMA <= flags:
         return AVX2_STREAMED_SKINNY_ROWS if weight_bytes > AVX2_STREAMED_BYTES else AVX2_SKINNY_ROWS
     return PORTABLE_SKINNY_ROWS
 
