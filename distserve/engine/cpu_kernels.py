@@ -92,11 +92,14 @@ def bf16_cpu_kernels(like, name: str):
 
 
 def _build_name(flags) -> str:
-    """The extension's name, with a digest of every source, header and flag in it. torch's loader
-    keeps one build per name and rebuilds when a source or flag changes, but not a header; and two
-    checkouts sharing the build cache would take turns rebuilding it (a restarted worker of one once
-    waited a minute for that). With the digest in the name each build has its own folder."""
+    """The extension's name, with a digest of every source, header and flag in it, of where the
+    sources are and of the Python environment. torch's loader keeps one build per name and rebuilds
+    when a source or flag changes, but not a header; and two checkouts or environments sharing the
+    build cache would take turns rebuilding it, as build.ninja names the sources and torch's headers
+    by absolute path (a restarted worker of one once waited a minute for that). With the digest in
+    the name each build has its own folder."""
     digest = hashlib.sha1(" ".join(flags).encode())
+    digest.update(f"{_CSRC.resolve()}\0{sys.prefix}".encode())
     for path in sorted([*_SOURCES, *_CSRC.glob("*.h")]):
         digest.update(path.name.encode() + path.read_bytes())
     return f"distserve_cpu_kernels_{digest.hexdigest()[:12]}"
@@ -116,6 +119,35 @@ def build_directory(name: str) -> Path:
 def kernels_build_directory() -> Path:
     """The folder of this checkout's kernel build (sources and flags as they are now)."""
     return build_directory(_build_name(COMPILE_FLAGS))
+
+
+def ninja_directory() -> str:
+    """The folder of the ninja this environment installed (the `ninja` package, a dependency).
+
+    torch's loader runs whichever `ninja` is first on PATH. setup.sh builds without the virtual
+    environment on PATH, the tests and workers run with it, and a system ninja 1.11 and the
+    package's 1.13 each discard the other's build log ("build log version is too old"), so every
+    switch rebuilt all kernels: 2-4 min on 2 cores, and CI's first worker was not healthy in time."""
+    try:
+        import ninja
+
+        return ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        return os.path.dirname(sys.executable)
+
+
+@contextlib.contextmanager
+def ninja_first_on_path():
+    """Puts ninja_directory() first on PATH while torch's loader builds, then restores PATH."""
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja_directory(), *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 @contextlib.contextmanager
@@ -164,7 +196,7 @@ def cpu_kernels():
                 from torch.utils.cpp_extension import load
 
                 directory = kernels_build_directory()
-                with build_guard(directory):
+                with build_guard(directory), ninja_first_on_path():
                     load(name=directory.name, sources=[str(p) for p in _SOURCES], is_python_module=False,
                          extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(OPENMP_FLAGS),
                          build_directory=str(directory), verbose=False)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,57 @@ def test_build_name_changes_with_a_header_a_source_or_a_flag(tmp_path, monkeypat
     (tmp_path / "kernel.cpp").write_text('#include "shared.h"\n// changed\n')
     after_source = cpu_kernels._build_name(["-O3"])
     assert len({first, after_header, after_source, cpu_kernels._build_name(["-O2"])}) == 4
+
+
+def test_build_name_changes_with_where_the_sources_are_and_the_environment(tmp_path, monkeypatch):
+    """Two checkouts (or virtual environments) with the same sources get their own build folders:
+    build.ninja names sources and torch's headers by absolute path, so a shared one rebuilt each switch."""
+    names = []
+    for checkout in ("one", "two"):
+        csrc = tmp_path / checkout / "csrc"
+        csrc.mkdir(parents=True)
+        (csrc / "kernel.cpp").write_text("// same\n")
+        monkeypatch.setattr(cpu_kernels, "_CSRC", csrc)
+        monkeypatch.setattr(cpu_kernels, "_SOURCES", [csrc / "kernel.cpp"])
+        names.append(cpu_kernels._build_name(["-O3"]))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
+    names.append(cpu_kernels._build_name(["-O3"]))
+    assert len(set(names)) == 3
+
+
+def test_the_build_runs_this_environments_ninja_and_restores_path(monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with cpu_kernels.ninja_first_on_path():
+        found = shutil.which("ninja")
+    assert found == os.path.join(cpu_kernels.ninja_directory(), "ninja") and os.access(found, os.X_OK)
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+
+
+_LOAD = "from distserve.engine.cpu_kernels import cpu_kernels; assert cpu_kernels() is not None"
+
+
+def _load_with_path(path: str) -> None:
+    env = {**os.environ, "PATH": path, "DISTSERVE_CPU_KERNELS": "1"}
+    done = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _build_outputs() -> dict[str, int]:
+    directory = cpu_kernels.kernels_build_directory()
+    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir() if p.suffix in (".o", ".so")}
+
+
+def test_loading_with_or_without_the_venv_on_path_does_not_rebuild():
+    """setup.sh builds without .venv/bin on PATH, workers load with it (a system ninja first, then the
+    package's): the second load must find the first's build, not compile every kernel again."""
+    venv_bin = os.path.dirname(sys.executable)
+    system_first = os.pathsep.join(["/usr/bin", "/bin", venv_bin])
+    _load_with_path(system_first)
+    built = _build_outputs()
+    _load_with_path(os.pathsep.join([venv_bin, "/usr/bin", "/bin"]))
+    _load_with_path(system_first)
+    assert built and _build_outputs() == built
 
 
 # Run in a fresh interpreter: torch's OpenMP pool starts its worker threads at the first parallel loop,
