@@ -128,7 +128,8 @@ def _masked_reference(q, kv, position, window):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 4), (8, 1)])
 @pytest.mark.parametrize("length, position, window", [
-    (1, 0, 0), (5, 0, 0), (70, 0, 0), (37, 100, 0), (33, 20, 16), (100, 0, 30), (3, 50, 7)])
+    (1, 0, 0), (5, 0, 0), (70, 0, 0), (37, 100, 0), (33, 20, 16), (100, 0, 30), (3, 50, 7), (301, 200, 0),
+    (260, 0, 64)])
 def test_compiled_bf16_prefill_attention_equals_sdpa(head_dim, heads, kv_heads, length, position, window):
     """Chunks at any position, sliding windows, GQA groups, and lengths that end mid query-block and
     mid key-block, against float32 SDPA (bf16-level tolerance: the output is rounded to bf16)."""
