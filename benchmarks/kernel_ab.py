@@ -8,8 +8,8 @@ A/B here alternates its two arms call by call and reports the medians:
   ops, by prompt length; bf16 decode steps with the fused kernels against torch's ops, by batch;
 - oneDNN weight packing: whole decode steps (batches above linear.SKINNY_ROWS) and a prefill with the
   weights packed for batch-size hint 1 against linear.PACK_BATCH_HINT;
-- bf16 prefill, attention alone: our compiled kernel against SDPA's CPU flash kernel (the engine picks
-  ours only where the CPU lacks AMX: attention.bf16_prefill_kernel), by prompt length;
+- whole prefills, attention: our compiled kernel against SDPA's CPU flash kernel, bf16 and float32 (the
+  engine picks ours in bf16 only where the CPU lacks AMX: attention.prefill_kernel), by prompt length;
 - decode steps, attention: our AVX-512 paged kernels (bf16, float32) against the generic one, by batch and
   context;
 - decode steps, whole layers: csrc/decode_layer.cpp (one C++ call a layer) against the Python layer, by
@@ -74,11 +74,11 @@ def decode_linear_ab(model: str, dtype: str) -> dict:
 def prefill_ab(model: str) -> dict:
     runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
     model = runner.model
-    kernel_choice, silu_mul, small_ops = attention.bf16_prefill_kernel, model.fused_silu_mul, model.fused_small_ops
+    kernel_choice, silu_mul, small_ops = attention.prefill_kernel, model.fused_silu_mul, model.fused_small_ops
 
     def use(ours: bool):
         def set_up():
-            attention.bf16_prefill_kernel = kernel_choice if ours else (lambda q: None)
+            attention.prefill_kernel = kernel_choice if ours else (lambda q: None)
             model.fused_silu_mul, model.fused_small_ops = (silu_mul, small_ops) if ours else (None, None)
         return set_up
 
@@ -114,23 +114,23 @@ def linear_pack_hint_ab(model: str, dtype: str) -> dict:
     return {"dtype": dtype, "decode_step_by_batch": decode, "prefill_256_tokens": prefill}
 
 
-def prefill_attention_ab(model: str) -> dict:
-    """Whole bf16 prefills: our compiled attention against SDPA, everything else as the engine runs it."""
-    runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
-    kernel_choice = attention.bf16_prefill_kernel
+def prefill_attention_ab(model: str, dtype: str) -> dict:
+    """Whole prefills: our compiled attention against SDPA, everything else as the engine runs it."""
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
+    kernel_choice = attention.prefill_kernel
 
     def use(choice):
-        return lambda: setattr(attention, "bf16_prefill_kernel", choice)
+        return lambda: setattr(attention, "prefill_kernel", choice)
 
     results = {}
     for length in (256, 512, 1024):
         prompt = list(range(10, 10 + length))
         prefill = lambda: runner.prefill([prompt])  # noqa: E731
         results[str(length)] = interleaved({"sdpa_ms": (use(lambda q: None), prefill),
-                                            "ours_ms": (use(attention.compiled_bf16_prefill_kernel), prefill)}, 6)
+                                            "ours_ms": (use(attention.compiled_prefill_kernel), prefill)}, 6)
     use(kernel_choice)()
-    return {"dtype": "bfloat16", "cpu_has_amx": cpu_has_amx(), "engine_uses_ours": kernel_choice(
-        torch.empty(1, 1, runner.model.args.head_dim, dtype=torch.bfloat16)) is not None,
+    return {"dtype": dtype, "cpu_has_amx": cpu_has_amx(), "engine_uses_ours": kernel_choice(
+        torch.empty(1, 1, runner.model.args.head_dim, dtype=runner.model.dtype)) is not None,
         "prefill_by_prompt_length": results}
 
 
@@ -187,7 +187,7 @@ SECTIONS = {
     "decode_linear": lambda model: [decode_linear_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "prefill_kernels": prefill_ab,
     "linear_pack_hint": lambda model: [linear_pack_hint_ab(model, dtype) for dtype in ("bfloat16", "float32")],
-    "prefill_attention": prefill_attention_ab,
+    "prefill_attention": lambda model: [prefill_attention_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "decode_attention": lambda model: [decode_attention_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "decode_layer": lambda model: [decode_layer_ab(model, dtype) for dtype in ("bfloat16", "float32")],
     "sampling": lambda model: sampling_ab(),

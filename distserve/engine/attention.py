@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distserve.engine.cpu_kernels import bf16_cpu_kernels, cpu_kernels, cpu_kernels_with
+from distserve.engine.cpu_kernels import cpu_kernels, cpu_kernels_with
 from distserve.engine.dtype import cpu_has_amx
 
 
@@ -37,7 +37,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks,
     """
     counts = queries if queries is not None else [c.length for c in chunks]
     out = torch.empty((sum(counts), q.shape[1] * q.shape[2]), dtype=q.dtype, device=q.device)
-    kernel = bf16_prefill_kernel(q)
+    kernel = prefill_kernel(q)
     done = 0
     for chunk, count in zip(chunks, counts):
         end = chunk.position + chunk.length
@@ -67,23 +67,32 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks,
     return out
 
 
-def bf16_prefill_kernel(q: torch.Tensor):
-    """The prefill attention kernel the engine uses for bfloat16 q: ours (`compiled_bf16_prefill_kernel`)
-    where the CPU has AVX512-BF16 but no AMX, else None (torch SDPA). Without AMX ours is ~2x faster than
-    SDPA's CPU flash kernel per layer at 256 tokens; with AMX, SDPA's GEMMs run on AMX tiles and whole
-    prefills are faster through it (kernel_ab prefill_attention: 256 tokens 26.1 vs 30.7 ms, 1024 118.7
-    vs 225.5). float32 keeps SDPA, the op transformers uses, so float32 output stays token-exact with
-    `generate`."""
-    return None if cpu_has_amx() else compiled_bf16_prefill_kernel(q)
+def prefill_kernel(q: torch.Tensor):
+    """The compiled prefill attention the engine uses for q, or None (torch SDPA).
+
+    bfloat16: ours where the CPU has AVX512-BF16 but no AMX. Without AMX ours is ~4x faster than SDPA's
+    CPU flash kernel per layer at 256 tokens; with AMX, SDPA's GEMMs run on AMX tiles and whole
+    prefills were faster through it (kernel_ab prefill_attention, one-pass kernel: 256 tokens 26.1 vs
+    30.7 ms, 1024 118.7 vs 225.5). float32: ours where the CPU has AVX-512; it sums in another order
+    than SDPA (as the float32 decode kernel does), and greedy output stays token-exact with `generate`.
+    """
+    if q.dtype == torch.bfloat16:
+        return None if cpu_has_amx() else compiled_prefill_kernel(q)
+    return compiled_prefill_kernel(q)
 
 
-def compiled_bf16_prefill_kernel(q: torch.Tensor):
-    """Our compiled prefill attention (csrc/prefill_attention.cpp) for bfloat16 q on a CPU with
-    AVX512-BF16 and head_dim 64 or 128, else None."""
-    if q.shape[-1] not in (64, 128):
+_PREFILL_OPS = {torch.bfloat16: "prefill_attention_bf16", torch.float32: "prefill_attention_f32"}
+
+
+def compiled_prefill_kernel(q: torch.Tensor):
+    """Our compiled prefill attention (csrc/prefill_attention.cpp) for q's dtype, on a CPU with the
+    instructions it is built with (AVX512-BF16 for bfloat16, AVX-512 for float32) and head_dim 64 or
+    128, else None."""
+    name = _PREFILL_OPS.get(q.dtype)
+    if name is None or q.shape[-1] not in (64, 128):
         return None
-    kernels = bf16_cpu_kernels(q, "prefill_attention_bf16")
-    return kernels.prefill_attention_bf16 if kernels is not None else None
+    kernels = cpu_kernels_with(q, name)
+    return getattr(kernels, name) if kernels is not None else None
 
 
 _AVX512_DECODE_OPS = {torch.bfloat16: "paged_decode_attention_bf16", torch.float32: "paged_decode_attention_f32"}

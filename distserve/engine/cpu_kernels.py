@@ -50,6 +50,7 @@ AVX2_FMA = frozenset({"avx2", "fma"})  # the AVX2 path of skinny_linear (float32
 KERNEL_CPU_FLAGS = {
     "paged_decode_attention_f32": AVX512,
     "sampling_weights_f32": AVX512,
+    "prefill_attention_f32": AVX512,
     "paged_decode_attention_bf16": AVX512_BF16,
     "prefill_attention_bf16": AVX512_BF16,
     "silu_and_mul_bf16": AVX512_BF16,

@@ -130,16 +130,19 @@ def _masked_reference(q, kv, position, window):
 @pytest.mark.parametrize("length, position, window", [
     (1, 0, 0), (5, 0, 0), (70, 0, 0), (37, 100, 0), (33, 20, 16), (100, 0, 30), (3, 50, 7), (301, 200, 0),
     (260, 0, 64)])
-def test_compiled_bf16_prefill_attention_equals_sdpa(head_dim, heads, kv_heads, length, position, window):
+@pytest.mark.parametrize("op, dtype, tolerance", [("prefill_attention_bf16", torch.bfloat16, 2e-2),
+                                                  ("prefill_attention_f32", torch.float32, 1e-5)])
+def test_compiled_prefill_attention_equals_sdpa(head_dim, heads, kv_heads, length, position, window, op, dtype,
+                                                tolerance):
     """Chunks at any position, sliding windows, GQA groups, and lengths that end mid query-block and
-    mid key-block, against float32 SDPA (bf16-level tolerance: the output is rounded to bf16)."""
-    kernel = compiled_op("prefill_attention_bf16") or _sdpa_prefill_attention  # the engine's path without it
+    mid key-block, against float32 SDPA (bf16: the output is rounded to bf16, and so is P in P V)."""
+    kernel = compiled_op(op) or _sdpa_prefill_attention  # the engine's path without it
     generator = torch.Generator().manual_seed(length * 7 + position)
-    q = torch.randn(length, heads, head_dim, generator=generator).bfloat16()
-    kv = torch.randn(2, position + length + 3, kv_heads, head_dim, generator=generator).bfloat16()
+    q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
+    kv = torch.randn(2, position + length + 3, kv_heads, head_dim, generator=generator).to(dtype)
     got = kernel(q, kv, position, window, head_dim ** -0.5)
-    assert got.shape == (length, heads * head_dim) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), _masked_reference(q, kv, position, window), atol=2e-2, rtol=2e-2)
+    assert got.shape == (length, heads * head_dim) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), _masked_reference(q, kv, position, window), atol=tolerance, rtol=tolerance)
 
 
 def _sdpa_prefill_attention(q, kv, position, window, scale):
@@ -153,17 +156,17 @@ def _sdpa_prefill_attention(q, kv, position, window, scale):
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_prefill_uses_the_compiled_kernel_without_amx_and_float32_keeps_sdpa(monkeypatch, amx):
-    """Ours where the CPU has AVX512-BF16 but no AMX; with AMX (its GEMMs run on AMX tiles) or without
-    AVX512-BF16, SDPA."""
+def test_prefill_uses_the_compiled_kernel_in_bf16_without_amx_and_in_float32(monkeypatch, amx):
+    """bf16: ours where the CPU has AVX512-BF16 but no AMX; with AMX (its GEMMs run on AMX tiles) or
+    without AVX512-BF16, SDPA. float32: ours wherever the CPU has AVX-512."""
     from distserve.engine import attention
 
     monkeypatch.setattr(attention, "cpu_has_amx", lambda: amx)
     bf16 = torch.empty(1, 8, 64, dtype=torch.bfloat16)
-    expected = compiled_op("prefill_attention_bf16") if not amx else None
-    assert attention.bf16_prefill_kernel(bf16) == expected
-    assert attention.bf16_prefill_kernel(torch.empty(1, 8, 64)) is None  # float32: token-exact with transformers
-    assert attention.bf16_prefill_kernel(torch.empty(1, 8, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
+    assert attention.prefill_kernel(bf16) == (compiled_op("prefill_attention_bf16") if not amx else None)
+    assert attention.prefill_kernel(torch.empty(1, 8, 64)) == compiled_op("prefill_attention_f32")
+    assert attention.prefill_kernel(torch.empty(1, 8, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
+    assert attention.prefill_kernel(torch.empty(1, 8, 16)) is None
 
 
 

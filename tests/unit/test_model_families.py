@@ -96,7 +96,7 @@ def test_bf16_prefill_with_compiled_kernels_tracks_float32_transformers(head_dim
     has_kernels = cpu_runs("add_rms_norm_bf16")  # without AVX512-BF16: torch's ops, under the same bound
     assert (runner.model.fused_small_ops is not None) == has_kernels
     assert (runner.model.fused_silu_mul is not None) == has_kernels
-    assert (attention.bf16_prefill_kernel(torch.empty(1, 4, 64, dtype=torch.bfloat16)) is not None) == has_kernels
+    assert (attention.prefill_kernel(torch.empty(1, 4, 64, dtype=torch.bfloat16)) is not None) == has_kernels
     reference_model = load_model(head_dim_64_folder, "float32", "cpu")
     prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
