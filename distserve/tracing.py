@@ -22,6 +22,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 REQUEST_ID = "gen_ai.request.id"
+# The router's mark (a zero-length span) of the moment it sends a request's first token on; the
+# prefill worker goes on to register the KV after it, so that is not part of time to first token.
+FIRST_TOKEN_SENT = "first_token_sent"
 _installed = False
 
 

@@ -1,12 +1,14 @@
 """Where a request's time went: its trace cut into consecutive stretches, before and after the first token.
 
-Time to first token runs from the first span's start (the gateway's, else the router's) to the end of
-the prefill call (or colocated forward) that produced the first token:
+Time to first token runs from the first span's start (the gateway's, else the router's) to the router's
+first_token_sent mark (in traces without one, the end of the prefill call), or to the end of the
+colocated forward that produced the first token:
   gateway -> router accept (validate, tokenize) -> routing -> [failed attempts] -> hop to the prefill
-  worker -> prefill queue -> prefill forward -> first-token sampling -> KV handle registration
+  worker -> prefill queue -> prefill forward -> first-token sampling -> return to the router
 The rest of the request, spread over the output tokens after the first, is its time per output token:
-  [failed attempts -> routing -> re-prefill] -> hop to the decode worker -> waiting for KV blocks
-  -> KV claim -> KV transfer -> cache write -> decode queue -> decoding -> return
+  KV handle registration (the prefill worker's, after the first token went out) -> [failed attempts
+  -> routing -> re-prefill] -> hop to the decode worker -> waiting for KV blocks -> KV claim -> KV
+  transfer -> cache write -> decode queue -> decoding -> return
 Each stretch runs from where the previous one ended to a span boundary, so they add up to the whole
 and the largest is the one to blame.
 """
@@ -17,6 +19,7 @@ import dataclasses
 
 from distserve.explain.spans import STATUS_MESSAGE
 from distserve.trace_view import SpanRow
+from distserve.tracing import FIRST_TOKEN_SENT
 
 
 @dataclasses.dataclass
@@ -116,10 +119,18 @@ class _Timeline:
 
 
 def _first_token(trace: _Trace) -> tuple[SpanRow, int] | None:
-    """The span of the stage that produced the first token, and when it reached the router."""
-    candidates = [(_end(p), p) for p in trace.named("prefill", "prefill") if not p.failed]
+    """The span of the stage that produced the first token, and when the router sent it on: the
+    router's first_token_sent mark, or, in traces without one, the end of the prefill call."""
+    candidates = [(_first_token_sent(trace, p) or _end(p), p) for p in trace.named("prefill", "prefill")
+                  if not p.failed]
     candidates += [(_end(f), c) for c in trace.named("colocated") if (f := trace.under(c, "forward"))]
     return min(candidates, key=lambda c: c[0])[::-1] if candidates else None
+
+
+def _first_token_sent(trace: _Trace, prefill: SpanRow) -> int | None:
+    """The router's first mark of sending a first token on after `prefill` began, if any."""
+    marks = [r.start_us for r in trace.named(FIRST_TOKEN_SENT) if r.start_us >= prefill.start_us]
+    return min(marks) if marks else None
 
 
 def _routes_before(trace: _Trace, us: int) -> list[SpanRow]:
@@ -135,9 +146,16 @@ def _prefill_parts(trace: _Trace, line: _Timeline, stage: SpanRow, until_us: int
     line.to(queue and _end(queue), f"{name} queue", f"at {worker}{behind}")
     line.to(forward and _end(forward), f"{name} forward", _forward_words(stage, forward, worker))
     line.to(_end(ft) if (ft := trace.under(stage, "first_token")) else None, f"{name} sampling", "first token")
-    line.to(_end(reg) if (reg := trace.under(stage, "register")) else None, f"{name} KV registration",
-            "with the kvbroker")
+    reg = trace.under(stage, "register")
+    if reg and _end(reg) <= until_us:  # traces without the router's first_token_sent mark
+        line.to(_end(reg), f"{name} KV registration", "with the kvbroker")
     line.to(until_us, f"{name} return")
+
+
+def _registration_after_first_token(trace: _Trace, line: _Timeline, prefill: SpanRow) -> None:
+    """The KV registration the prefill worker did after the router had sent the first token on."""
+    reg = trace.under(prefill, "register")
+    line.to(reg and _end(reg), "KV registration", f"with the kvbroker, at {_worker(prefill)}, after the first token")
 
 
 def _forward_words(stage: SpanRow, forward: SpanRow | None, worker: str) -> str:
@@ -193,6 +211,7 @@ def _after_first_token(trace: _Trace, stage: SpanRow, first_us: int, end_us: int
         line.to(_start(generate), "hand-off to decoding", f"at {_worker(stage)}")
         _decoding(line, generate, stage)
     elif decodes := trace.named("decode", "decode"):
+        _registration_after_first_token(trace, line, stage)
         decode = next((d for d in reversed(decodes) if not d.failed), decodes[-1])
         route = _routes_before(trace, decode.start_us)[-1:]
         if route and route[0].start_us > first_us:  # moved after its first token: failed, re-routed, re-prefilled

@@ -15,6 +15,7 @@ EXPECTED_TREE = {
     ("distserve-gateway", "gateway.http"): None,
     ("distserve-router", "router.generate"): ("distserve-gateway", "gateway.http"),
     ("distserve-router", "route"): ("distserve-router", "router.generate"),
+    ("distserve-router", "first_token_sent"): ("distserve-router", "router.generate"),
     ("distserve-prefill", "prefill"): ("distserve-router", "router.generate"),
     ("distserve-prefill", "queue"): ("distserve-prefill", "prefill"),
     ("distserve-prefill", "forward"): ("distserve-prefill", "prefill"),
@@ -75,6 +76,11 @@ def test_one_trace_spans_every_stage(cluster, otlp_receiver, tiny_model_path):
         assert parent is not None and (parent.service, parent.name) == parent_key, (key, parent)
         assert span.start_ns >= parent.start_ns - CLOCK_SLACK_NS, (key, "starts before its parent")
         assert span.end_ns <= parent.end_ns + CLOCK_SLACK_NS, (key, "ends after its parent")
+
+    # the router sends the first token on once sampled, before the prefill call (KV registration) ends
+    sent = by_key[("distserve-router", "first_token_sent")]
+    assert by_key[("distserve-prefill", "first_token")].end_ns - CLOCK_SLACK_NS <= sent.start_ns
+    assert sent.start_ns <= by_key[("distserve-prefill", "prefill")].end_ns + CLOCK_SLACK_NS
 
     spec = load_model_spec(tiny_model_path)
     handle_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * PROMPT_LEN * 4

@@ -180,3 +180,30 @@ def test_cli_explains_a_trace_from_jaeger(jaeger, capsys):
     assert main(["explain", CASES["prefill_queue"], "--jaeger-url", url]) == 0
     assert capsys.readouterr().out.startswith("request explain-queue-7: TTFT 36.42 s > 300 ms SLO: prefill forward")
     assert queries and queries[0].startswith("/api/traces?service=distserve-router&tags=")
+
+
+def test_with_the_routers_first_token_mark_registration_counts_after_the_first_token():
+    """The prefill worker streams the first token, then registers the KV: with the router's mark of
+    sending it on, TTFT ends there and the registration falls in the time after the first token. The
+    recorded healthy trace predates the mark; it is added here where the router would have sent it."""
+    from distserve.trace_view import SpanRow
+    from distserve.tracing import FIRST_TOKEN_SENT
+
+    request_id = CASES["healthy"]
+    rows = rows_from_otlp(json.loads((TRACES / "healthy.otlp.json").read_text()), request_id)
+    before = explain_rows(rows, request_id)
+    router = next(r for r in rows if r.name == "router.generate")
+    register = next(r for r in rows if r.name == "register")
+    mark_us = register.start_us + 1  # the router sends the token on while the worker registers
+    marked = explain_rows([*rows, SpanRow("mark", router.span_id, router.service, FIRST_TOKEN_SENT, mark_us, 0,
+                                          False, {"gen_ai.request.id": request_id})], request_id)
+    root_start = min(r.start_us for r in rows)
+    assert marked.ttft_s == pytest.approx((mark_us - root_start) / 1e6)
+    assert marked.ttft_s < before.ttft_s
+    assert "prefill KV registration" in [p.label for p in before.ttft_parts]
+    assert not any("registration" in p.label for p in marked.ttft_parts)
+    registration = next(p for p in marked.tpot_parts if p.label == "KV registration")
+    assert registration.seconds == pytest.approx((register.start_us + register.duration_us - mark_us) / 1e6)
+    assert sum(p.seconds for p in marked.ttft_parts) == pytest.approx(marked.ttft_s, abs=1e-5)
+    assert sum(p.seconds for p in marked.tpot_parts) == pytest.approx(
+        marked.tpot_s * (marked.num_output_tokens - 1), abs=1e-5)
