@@ -81,6 +81,14 @@ def record_span(name: str, request_id: str, start_ns: int, end_ns: int, **attrib
     tracer().start_span(name, start_time=start_ns, attributes=attrs).end(end_time=max(start_ns, end_ns))
 
 
+def mark(name: str, request_id: str, **attributes: Any) -> None:
+    """Records a zero-length span at this moment under the current span (an instant, e.g. FIRST_TOKEN_SENT)."""
+    if not _installed:
+        return
+    now_ns = time.time_ns()
+    record_span(name, request_id, now_ns, now_ns, **attributes)
+
+
 def remote_context(headers: dict[str, str]):
     """Makes the trace context carried in headers (traceparent) current inside the block."""
     return _attached(headers) if _installed else _NO_CONTEXT

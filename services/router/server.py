@@ -299,8 +299,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         req.timings.MergeFrom(first.timings)
         req.timings.first_token_s = time.monotonic() - req.started
         self._metrics.ttft.observe(req.timings.first_token_s)
-        now_ns = time.time_ns()  # the prefill worker registers the KV after this: not part of TTFT
-        tracing.record_span(tracing.FIRST_TOKEN_SENT, req.request_id, now_ns, now_ns)
+        tracing.mark(tracing.FIRST_TOKEN_SENT, req.request_id)  # the worker registers the KV after: not TTFT
         starts = first.starts or [common_pb2.CompletionStart(
             token_id=first.first_token_id, finish_reason=first.finish_reason,
             logprobs=first.first_token_logprobs if first.HasField("first_token_logprobs") else None)]
