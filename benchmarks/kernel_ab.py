@@ -10,8 +10,8 @@ A/B here alternates its two arms call by call and reports the medians:
   weights packed for batch-size hint 1 against linear.PACK_BATCH_HINT;
 - whole prefills, attention: our compiled kernel against SDPA's CPU flash kernel, bf16 and float32 (the
   engine picks ours in bf16 only where the CPU lacks AMX: attention.prefill_kernel), by prompt length;
-- decode steps, attention: our AVX-512 paged kernels (bf16, float32) against the generic one, by batch and
-  context;
+- decode steps, attention: our tiled paged kernels (bf16 and float32 on AVX-512, float32 on AVX2)
+  against the generic one, by batch and context;
 - decode steps, whole layers: csrc/decode_layer.cpp (one C++ call a layer) against the Python layer, by
   batch, up to the rows our small-batch matmul takes (linear.SKINNY_ROWS);
 - sampling a temperature-1 batch: batched inverse-CDF draws against torch.multinomial per row.
@@ -135,12 +135,12 @@ def prefill_attention_ab(model: str, dtype: str) -> dict:
 
 
 def decode_attention_ab(model: str, dtype: str) -> dict:
-    """Decode steps: our AVX-512 paged attention against the generic compiled kernel."""
+    """Decode steps: our tiled paged attention (AVX-512; AVX2 in float32) against the generic compiled kernel."""
     runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
-    kernel_choice = attention.avx512_decode_kernel
+    kernel_choice = attention.compiled_decode_kernel
 
     def use(ours: bool):
-        return lambda: setattr(attention, "avx512_decode_kernel", kernel_choice if ours else (lambda cache: None))
+        return lambda: setattr(attention, "compiled_decode_kernel", kernel_choice if ours else (lambda cache: None))
 
     results = {}
     for batch, context in ((1, 256), (8, 256), (32, 256), (64, 256), (8, 2048)):

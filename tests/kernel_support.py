@@ -1,6 +1,7 @@
 """Which compiled CPU kernels this machine has.
 
-csrc/ builds each AVX-512 kernel only where the CPU has its instructions (-march=native), and the
+csrc/ builds each vector kernel only where the CPU has its instructions (AVX-512, or AVX2 + FMA for the
+float32 ones) (-march=native), and the
 engine then takes the torch or portable path. Tests of a kernel use `compiled_op`: it checks that the
 build holds the op exactly where the CPU can run it, and gives the op or None; on a CPU without it,
 the test checks the path the engine takes instead against the same reference.
@@ -8,13 +9,13 @@ the test checks the path the engine takes instead against the same reference.
 
 from __future__ import annotations
 
-from distserve.engine.cpu_kernels import KERNEL_CPU_FLAGS, cpu_kernels, has_op
+from distserve.engine.cpu_kernels import cpu_can_run, cpu_kernels, has_op
 from distserve.engine.dtype import cpu_flags
 
 
 def cpu_runs(op: str) -> bool:
     """Whether this CPU has the instructions `op` needs."""
-    return KERNEL_CPU_FLAGS[op] <= cpu_flags()
+    return cpu_can_run(op, cpu_flags())
 
 
 def compiled_op(op: str):

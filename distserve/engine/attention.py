@@ -1,8 +1,8 @@
 """Attention for packed prefill chunks and for paged decode.
 
 Decode kernel choice, measured on one core (README "Engine"): on CPU a compiled kernel that reads K/V
-through the block tables in place (csrc/decode_attention_*.cpp on AVX-512 for head_dim 64/128, else
-the generic csrc/paged_attention.cpp); elsewhere, or when it cannot be built, torch SDPA over a
+through the block tables in place (csrc/decode_attention_*.cpp on AVX-512, and in float32 on AVX2 +
+FMA, for head_dim 64/128, else the generic csrc/paged_attention.cpp); elsewhere, or when it cannot be built, torch SDPA over a
 per-layer gather of whole KV blocks (`paged_attention`), which runs unchanged on CUDA.
 """
 
@@ -73,8 +73,9 @@ def prefill_kernel(q: torch.Tensor):
     bfloat16: ours where the CPU has AVX512-BF16 but no AMX. Without AMX ours is ~4x faster than SDPA's
     CPU flash kernel per layer at 256 tokens; with AMX, SDPA's GEMMs run on AMX tiles and whole
     prefills were faster through it (kernel_ab prefill_attention, one-pass kernel: 256 tokens 26.1 vs
-    30.7 ms, 1024 118.7 vs 225.5). float32: ours where the CPU has AVX-512; it sums in another order
-    than SDPA (as the float32 decode kernel does), and greedy output stays token-exact with `generate`.
+    30.7 ms, 1024 118.7 vs 225.5). float32: ours where the CPU has AVX-512 or AVX2 + FMA; it sums in
+    another order than SDPA (as the float32 decode kernel does), and greedy output stays token-exact
+    with `generate`.
     """
     if q.dtype == torch.bfloat16:
         return None if cpu_has_amx() else compiled_prefill_kernel(q)
@@ -85,9 +86,9 @@ _PREFILL_OPS = {torch.bfloat16: "prefill_attention_bf16", torch.float32: "prefil
 
 
 def compiled_prefill_kernel(q: torch.Tensor):
-    """Our compiled prefill attention (csrc/prefill_attention.cpp) for q's dtype, on a CPU with the
-    instructions it is built with (AVX512-BF16 for bfloat16, AVX-512 for float32) and head_dim 64 or
-    128, else None."""
+    """Our compiled prefill attention for q's dtype, on a CPU with the instructions it is built with
+    (AVX512-BF16 for bfloat16, csrc/prefill_attention.cpp; float32: AVX-512 there, or AVX2 + FMA,
+    csrc/prefill_attention_avx2.cpp) and head_dim 64 or 128, else None."""
     name = _PREFILL_OPS.get(q.dtype)
     if name is None or q.shape[-1] not in (64, 128):
         return None
@@ -95,16 +96,16 @@ def compiled_prefill_kernel(q: torch.Tensor):
     return getattr(kernels, name) if kernels is not None else None
 
 
-_AVX512_DECODE_OPS = {torch.bfloat16: "paged_decode_attention_bf16", torch.float32: "paged_decode_attention_f32"}
+_DECODE_OPS = {torch.bfloat16: "paged_decode_attention_bf16", torch.float32: "paged_decode_attention_f32"}
 
 
-def avx512_decode_kernel(layer_cache: torch.Tensor):
-    """Our AVX-512 paged decode attention for a CPU cache with head_dim 64 or 128, else None (the
-    generic kernel): csrc/decode_attention_bf16.cpp for bfloat16 where the CPU has AVX512-BF16,
-    csrc/decode_attention_f32.cpp for float32 where it has AVX-512. Whole decode steps on one core,
-    filled cache, scattered blocks (kernel_ab): batch 32 x 256 tokens 27% faster in bf16, 14% in
-    float32; 8 x 2048 48% and 26%."""
-    name = _AVX512_DECODE_OPS.get(layer_cache.dtype)
+def compiled_decode_kernel(layer_cache: torch.Tensor):
+    """Our tiled paged decode attention for a CPU cache with head_dim 64 or 128, else None (the
+    generic kernel): csrc/decode_attention_bf16.cpp for bfloat16 where the CPU has AVX512-BF16; for
+    float32 csrc/decode_attention_f32.cpp where it has AVX-512, csrc/decode_attention_avx2.cpp where it
+    has AVX2 + FMA only. Whole decode steps on one core, filled cache, scattered blocks (kernel_ab,
+    AVX-512): batch 32 x 256 tokens 27% faster in bf16, 14% in float32; 8 x 2048 48% and 26%."""
+    name = _DECODE_OPS.get(layer_cache.dtype)
     kernels = cpu_kernels_with(layer_cache, name) if name and layer_cache.shape[-1] in (64, 128) else None
     return getattr(kernels, name) if kernels is not None else None
 
@@ -153,7 +154,7 @@ class PagedDecodeAttention:
         self.block_tables, self.seq_lens, self.window = block_tables, seq_lens, window
         self.kernels = cpu_kernels() if cache.device.type == "cpu" else None
         generic = self.kernels.paged_decode_attention if self.kernels is not None else None
-        self.kernel = avx512_decode_kernel(cache.layer(0)) or generic
+        self.kernel = compiled_decode_kernel(cache.layer(0)) or generic
         if self.kernels is None:
             self.mask = decode_mask(seq_lens, block_tables.shape[1] * cache.block_size, window)
             self.workspace = gather_workspace(cache.layer(0), block_tables)

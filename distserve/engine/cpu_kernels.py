@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "skinny_matmul.cpp", "prefill_attention.cpp",
                                       "silu_and_mul.cpp", "norm_rope.cpp", "decode_attention_bf16.cpp",
-                                      "decode_attention_f32.cpp", "decode_layer.cpp",
-                                      "sampling_weights.cpp")]
+                                      "decode_attention_f32.cpp", "decode_attention_avx2.cpp",
+                                      "prefill_attention_avx2.cpp", "decode_layer.cpp", "sampling_weights.cpp")]
 # at::parallel_for is a header template: built without OpenMP it runs every loop on the calling thread,
 # so a worker with several cores ran our kernels on one. With it, bf16 decode steps on 2 threads (ctx
 # 256, medians of 5 interleaved runs): batch 8 / 32 / 64 11.9 / 24.0 / 33.0 -> 9.0 / 18.1 / 24.3 ms.
@@ -43,20 +43,27 @@ _tried = False
 _present: dict[str, bool] = {}  # has_op's answers, by op name
 
 
-# The instructions each AVX-512 kernel is compiled with; csrc/ builds it only where the CPU has them.
+# The instruction sets each vector kernel is compiled for: csrc/ builds it where the CPU has one of them
+# (-march=native picks the widest), else not at all. The float32 kernels have an AVX2 + FMA body too,
+# for CPUs without AVX-512 (AMD Zen 2/3, older Xeons).
 AVX512 = frozenset({"avx512f"})
 AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})
-AVX2_FMA = frozenset({"avx2", "fma"})  # the AVX2 path of skinny_linear (float32)
+AVX2_FMA = frozenset({"avx2", "fma"})  # also the AVX2 path of skinny_linear (float32)
 KERNEL_CPU_FLAGS = {
-    "paged_decode_attention_f32": AVX512,
-    "sampling_weights_f32": AVX512,
-    "prefill_attention_f32": AVX512,
-    "paged_decode_attention_bf16": AVX512_BF16,
-    "prefill_attention_bf16": AVX512_BF16,
-    "silu_and_mul_bf16": AVX512_BF16,
-    "add_rms_norm_bf16": AVX512_BF16,
-    "rope_bf16_": AVX512_BF16,
+    "paged_decode_attention_f32": (AVX512, AVX2_FMA),
+    "sampling_weights_f32": (AVX512, AVX2_FMA),
+    "prefill_attention_f32": (AVX512, AVX2_FMA),
+    "paged_decode_attention_bf16": (AVX512_BF16,),
+    "prefill_attention_bf16": (AVX512_BF16,),
+    "silu_and_mul_bf16": (AVX512_BF16,),
+    "add_rms_norm_bf16": (AVX512_BF16,),
+    "rope_bf16_": (AVX512_BF16,),
 }
+
+
+def cpu_can_run(op: str, flags) -> bool:
+    """Whether a CPU with `flags` (its /proc/cpuinfo flags) has one of the instruction sets `op` is built for."""
+    return any(needed <= flags for needed in KERNEL_CPU_FLAGS[op])
 
 
 def enabled() -> bool:

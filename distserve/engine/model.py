@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from distserve.engine.attention import PagedDecodeAttention, avx512_decode_kernel, prefill_attention
+from distserve.engine.attention import PagedDecodeAttention, compiled_decode_kernel, prefill_attention
 from distserve.engine.cpu_kernels import bf16_cpu_kernels, cpu_kernels_with
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_spec import text_config
@@ -267,7 +267,7 @@ def _fused_silu_and_mul(act_name: str, like: torch.Tensor):
 
 def _compiled_decode_layer(model: LlamaModel):
     """torch.ops.distserve.decode_layer (csrc/decode_layer.cpp) where it runs exactly this model's
-    maths: on CPU, a silu MLP, no bias but qkv's, our AVX-512 decode attention for the dtype and
+    maths: on CPU, a silu MLP, no bias but qkv's, our tiled decode attention for the dtype and
     head_dim, and in bfloat16 the fused kernels; else None (the Python layer)."""
     w, args = model.weights, model.args
     if args.hidden_act not in ("silu", "swish") or w.embed.dtype not in (torch.bfloat16, torch.float32):
@@ -276,7 +276,7 @@ def _compiled_decode_layer(model: LlamaModel):
         return None
     if w.embed.dtype == torch.bfloat16 and (model.fused_small_ops is None or model.fused_silu_mul is None):
         return None
-    if avx512_decode_kernel(torch.empty((0, args.head_dim), dtype=w.embed.dtype, device=w.embed.device)) is None:
+    if compiled_decode_kernel(torch.empty((0, args.head_dim), dtype=w.embed.dtype, device=w.embed.device)) is None:
         return None
     kernels = cpu_kernels_with(w.embed, "decode_layer")
     return kernels.decode_layer if kernels is not None else None

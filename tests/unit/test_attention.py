@@ -158,7 +158,7 @@ def _sdpa_prefill_attention(q, kv, position, window, scale):
 @pytest.mark.parametrize("amx", [False, True])
 def test_prefill_uses_the_compiled_kernel_in_bf16_without_amx_and_in_float32(monkeypatch, amx):
     """bf16: ours where the CPU has AVX512-BF16 but no AMX; with AMX (its GEMMs run on AMX tiles) or
-    without AVX512-BF16, SDPA. float32: ours wherever the CPU has AVX-512."""
+    without AVX512-BF16, SDPA. float32: ours wherever the CPU has AVX-512 or AVX2 + FMA."""
     from distserve.engine import attention
 
     monkeypatch.setattr(attention, "cpu_has_amx", lambda: amx)
@@ -175,7 +175,7 @@ def test_prefill_uses_the_compiled_kernel_in_bf16_without_amx_and_in_float32(mon
 @pytest.mark.parametrize("window", [None, 5, 20])
 @pytest.mark.parametrize("op, dtype, tolerance", [("paged_decode_attention_bf16", torch.bfloat16, 2e-2),
                                                   ("paged_decode_attention_f32", torch.float32, 1e-5)])
-def test_compiled_avx512_decode_attention_equals_dense_sdpa(head_dim, heads, kv_heads, window, op, dtype, tolerance):
+def test_compiled_decode_attention_equals_dense_sdpa(head_dim, heads, kv_heads, window, op, dtype, tolerance):
     """Random interleaved block tables; lengths that end mid key-tile (1, 15, 17, 40) and on one (16, 32);
     GQA groups of 1, 2, 3 (odd: the single-head path) and 8; against float32 SDPA."""
     kernel = compiled_op(op) or cpu_kernels().paged_decode_attention  # the engine's kernel without it
@@ -201,7 +201,7 @@ def test_compiled_avx512_decode_attention_equals_dense_sdpa(head_dim, heads, kv_
 
 @pytest.mark.parametrize("op, dtype", [("paged_decode_attention_bf16", torch.bfloat16),
                                        ("paged_decode_attention_f32", torch.float32)])
-def test_compiled_avx512_decode_attention_refuses_a_sequence_without_keys(op, dtype):
+def test_compiled_decode_attention_refuses_a_sequence_without_keys(op, dtype):
     cache = PagedKvCache(1, 4, 64, 4, BLOCK_SIZE, dtype, "cpu")
     q = torch.zeros(2, 8, 64, dtype=dtype)
     tables = cache.block_table_tensor([[0], [1]], [3, 1])
@@ -210,19 +210,19 @@ def test_compiled_avx512_decode_attention_refuses_a_sequence_without_keys(op, dt
                                                                    0, 0.125)
 
 
-def test_decode_uses_the_avx512_kernel_for_its_dtype_and_head_dim():
-    from distserve.engine.attention import avx512_decode_kernel
+def test_decode_uses_the_compiled_kernel_for_its_dtype_and_head_dim():
+    from distserve.engine.attention import compiled_decode_kernel
 
     kernels = cpu_kernels()
-    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.bfloat16)) == \
+    assert compiled_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.bfloat16)) == \
         compiled_op("paged_decode_attention_bf16")  # None where the CPU lacks AVX512-BF16: the generic kernel
-    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 128)) == compiled_op("paged_decode_attention_f32")
-    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
-    assert avx512_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.float16)) is None  # no float16 kernel
+    assert compiled_decode_kernel(torch.empty(2, 3, 16, 4, 128)) == compiled_op("paged_decode_attention_f32")
+    assert compiled_decode_kernel(torch.empty(2, 3, 16, 4, 16, dtype=torch.bfloat16)) is None  # unsupported head_dim
+    assert compiled_decode_kernel(torch.empty(2, 3, 16, 4, 64, dtype=torch.float16)) is None  # no float16 kernel
     for dtype in (torch.bfloat16, torch.float32):
         cache = PagedKvCache(1, 4, 64, 8, BLOCK_SIZE, dtype, "cpu")
         attention = PagedDecodeAttention(cache, cache.block_table_tensor([[0]], [1]), torch.tensor([1]), None)
-        assert attention.kernel == (avx512_decode_kernel(cache.layer(0)) or kernels.paged_decode_attention)
+        assert attention.kernel == (compiled_decode_kernel(cache.layer(0)) or kernels.paged_decode_attention)
     cache = PagedKvCache(1, 4, 16, 8, BLOCK_SIZE, torch.float32, "cpu")  # head_dim 16: the generic kernel
     attention = PagedDecodeAttention(cache, cache.block_table_tensor([[0]], [1]), torch.tensor([1]), None)
     assert attention.kernel == kernels.paged_decode_attention

@@ -130,7 +130,7 @@ def test_compiled_decode_layer_equals_the_python_layer(head_dim_64_folder, dtype
     the same logits and KV with it as through the Python layer (Mistral's window, Qwen2's qkv bias)."""
     runner = ModelRunner(load_engine_model(head_dim_64_folder, dtype, "cpu"))
     model, compiled = runner.model, runner.model.compiled_decode_layer
-    # it needs our AVX-512 decode attention for the dtype (and in bf16 the fused kernels)
+    # it needs our tiled decode attention for the dtype (and in bf16 the fused kernels)
     assert (compiled is not None) == cpu_runs("paged_decode_attention_" + ("f32" if dtype == "float32" else "bf16"))
     if compiled is None:  # every decode step runs the Python layer
         return

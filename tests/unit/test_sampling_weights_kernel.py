@@ -13,7 +13,7 @@ from tests.kernel_support import compiled_op
 
 
 def kernel_or_torch_path():
-    """The kernel where this CPU has AVX-512; else None, once the sampler is seen to keep torch's ops."""
+    """The kernel where this CPU has AVX-512 or AVX2 + FMA; else None, once the sampler is seen to keep torch's ops."""
     op = compiled_op("sampling_weights_f32")
     if op is None:
         assert sampling.cpu_kernels_with(torch.zeros(1, 8), "sampling_weights_f32") is None
@@ -104,7 +104,7 @@ def test_the_kernel_path_draws_from_the_same_distribution_as_the_torch_path():
 
 
 def test_without_the_kernel_sampling_takes_the_torch_path_to_the_same_draws(monkeypatch):
-    """Where the kernel is not built (no AVX-512, DISTSERVE_CPU_KERNELS=0), the torch path serves."""
+    """Where the kernel is not built (neither AVX-512 nor AVX2, DISTSERVE_CPU_KERNELS=0), the torch path serves."""
     logits = torch.tensor([2.0, 1.0, 0.5, float("-inf"), 0.0, -1.0] * 50)
     rows = [SampleRow(SamplingParams(temperature=0.8, seed=7), index) for index in range(2000)]
     batch = logits.expand(len(rows), -1)

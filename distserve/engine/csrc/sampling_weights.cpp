@@ -19,13 +19,16 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
+#if defined(__AVX512F__)
 #include "avx512_math.h"
+#else
+#include "avx2_math.h"
+#endif
 
 namespace {
-
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kPlusInf = 0x7f800000u;
 constexpr uint32_t kMinusInf = 0xff800000u;
@@ -43,6 +46,7 @@ inline bool is_bad(float y) {
   return (b & kAbsMask) >= kPlusInf && b != kMinusInf;
 }
 
+#if defined(__AVX512F__)
 inline __mmask16 bad_lanes(__m512 y) {
   const __m512i b = _mm512_castps_si512(y);
   const __mmask16 nonfinite = _mm512_cmpge_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(kAbsMask)),
@@ -101,6 +105,69 @@ void row_weights(const float* x, float scale, float mx, int64_t vocab, int64_t b
     sums[k] = sum;
   }
 }
+
+#else  // AVX2 + FMA
+inline __m256i bad_lanes(__m256 y) {  // all bits set in the lanes holding a NaN or +inf
+  const __m256i b = _mm256_castps_si256(y);
+  // |y|'s bits are a non-negative int32: a signed compare with the largest finite value finds NaN and inf
+  const __m256i nonfinite = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(kAbsMask)),
+                                               _mm256_set1_epi32(static_cast<int>(kPlusInf - 1)));
+  const __m256i minus_inf = _mm256_cmpeq_epi32(b, _mm256_set1_epi32(static_cast<int>(kMinusInf)));
+  return _mm256_andnot_si256(minus_inf, nonfinite);
+}
+
+// Pass 1: the row's maximum; false when the row has a NaN or +inf, or only -inf.
+bool row_max(const float* x, int64_t vocab, float* out_max) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::max());
+  __m256i bad_v = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= vocab; i += 8) {
+    const __m256 y = _mm256_loadu_ps(x + i);
+    bad_v = _mm256_or_si256(bad_v, bad_lanes(y));
+    m = _mm256_max_ps(m, y);
+  }
+  float mx = hmax256(m);
+  bool bad = !_mm256_testz_si256(bad_v, bad_v);
+  for (; i < vocab; ++i) {
+    const float y = x[i];
+    bad |= is_bad(y);
+    mx = y > mx ? y : mx;
+  }
+  // every lane -inf leaves the -FLT_MAX start: look for a finite value instead
+  bool any_finite = mx > -std::numeric_limits<float>::max();
+  if (!any_finite) {
+    for (int64_t j = 0; j < vocab && !any_finite; ++j) any_finite = bits_of(x[j]) != kMinusInf;
+  }
+  *out_max = mx;
+  return !bad && any_finite;
+}
+
+// Pass 2: as the AVX-512 one, 8 lanes at a time.
+void row_weights(const float* x, float scale, float mx, int64_t vocab, int64_t block, float* w, double* sums) {
+  const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(mx), floor = _mm256_set1_ps(kExpFloor);
+  const int64_t num_blocks = (vocab + block - 1) / block;
+  for (int64_t k = 0; k < num_blocks; ++k) {
+    const int64_t begin = k * block, end = std::min(begin + block, vocab);
+    __m256d acc = _mm256_setzero_pd();
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+      const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m), s);
+      const __m256 e = _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), exp256(d));
+      _mm256_storeu_ps(w + i, e);
+      acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+      acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double sum = hsum256d(acc);
+    for (; i < end; ++i) {
+      const float d = (x[i] - mx) * scale;
+      w[i] = d >= kExpFloor ? std::exp(d) : 0.0f;
+      sum += w[i];
+    }
+    sums[k] = sum;
+  }
+}
+
+#endif
 
 }  // namespace
 
