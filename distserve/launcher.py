@@ -48,13 +48,18 @@ from distserve.metrics import LauncherMetrics
 from distserve.control_placement import ControlPlacement
 from distserve.cpus import format_cpu_list, parse_cpu_list, split_cores
 from distserve.spill_policy import SpillPolicy
-from distserve.ports import free_port, is_bind_failure
+from distserve.ports import free_port, held_by_a_server, is_bind_failure
 from distserve.supervisor import RestartPolicy, Supervisor
 
 __all__ = ["Cluster", "ClusterSpec", "ManagedProcess", "StartError", "find_redis_server", "free_port"]
 
 log = logging.getLogger(__name__)
 PORT_ATTEMPTS = 3  # starts of a child whose auto-chosen port was taken, before giving up
+# Starts of a child whose fixed port was held by a connection rather than a server (an outgoing
+# connection's ephemeral port: 50051-50090 lie inside Linux's 32768-60999), and the wait before each
+# (doubling): ~15 s in all before it is reported as taken.
+FIXED_PORT_ATTEMPTS = 5
+FIXED_PORT_FIRST_WAIT_S = 0.5
 # Every child is forked by this one thread, alive as long as the launcher: a child's parent-death signal
 # (see _die_with_launcher) fires when the thread that forked it ends, not only when the process does.
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distserve-spawner")
@@ -197,6 +202,7 @@ class ManagedProcess:
     metrics_url: str = ""  # Prometheus endpoint, for services
     auto_ports: bool = False  # its ports were chosen by free_port: it may move to others if they are taken
     port_moves: int = 0  # starts on fresh ports after its auto-chosen ones were taken
+    port_waits: int = 0  # starts again on its fixed ports after a connection held one of them
     restarts: int = 0  # by the supervisor
     state: str = "running"  # "running" | "restarting" | "failed" (see distserve.supervisor)
     cpus: list[int] | None = None  # cores it starts pinned to (a control-plane process); None: inherited
@@ -427,6 +433,15 @@ class Cluster:
             process.port_moves += 1
             self._move_to_free_ports(process)
             return
+        if (not process.auto_ports and is_bind_failure(tail) and process.port_waits < FIXED_PORT_ATTEMPTS
+                and not any(held_by_a_server(port) for port in _ports_of(process))):
+            wait_s = FIXED_PORT_FIRST_WAIT_S * 2 ** process.port_waits
+            process.port_waits += 1
+            log.warning("%s: a connection, not a server, held its port %s; starting it again on the same port "
+                        "in %.1f s", process.name, "/".join(map(str, _ports_of(process))), wait_s)
+            time.sleep(wait_s)
+            self.respawn(process)
+            return
         hint = ("\nIts port is taken: is another `distserve up` running (`distserve status`)? Or choose other "
                 "ports." if is_bind_failure(tail) else "")
         raise StartError(f"{process.name} exited with {process.popen.returncode}:\n{tail}{hint}")
@@ -463,6 +478,12 @@ class Cluster:
         phase([n for n in names if n == "redis"])
         if self.spec.state_file:
             Path(self.spec.state_file).unlink(missing_ok=True)
+
+
+def _ports_of(process: ManagedProcess) -> list[int]:
+    """The ports a child was told to listen on (--port, --metrics-port)."""
+    return [int(process.argv[process.argv.index(flag) + 1]) for flag in ("--port", "--metrics-port")
+            if flag in process.argv]
 
 
 def _popen(process: ManagedProcess, mode: str) -> subprocess.Popen:

@@ -6,6 +6,11 @@ outgoing connection on the machine may be given it as its ephemeral port. So
 `free_port` picks below the kernel's ephemeral range (outgoing connections never
 get those), never hands out the same port twice in one process, and the
 launcher still retries a child on fresh ports when its log shows a bind failure.
+
+A port the user chose (or one of `distserve up`'s defaults, such as 50051) may lie inside that range,
+and a connection's local end may hold it for a moment when a child comes to bind it. `held_by_a_server`
+tells that from a real conflict (another server listening there), so the launcher can start the child
+again on the same port instead of giving up.
 """
 
 from __future__ import annotations
@@ -54,6 +59,16 @@ def free_port() -> int:
             _handed_out.add(port)
             return port
     raise OSError("no free port found")
+
+
+def held_by_a_server(port: int) -> bool:
+    """Whether something listens on loopback `port` (it accepts a connection); False where the port is
+    free or held only by a connection's local end."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def is_bind_failure(log_text: str) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -15,7 +17,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from distserve import cli
 from distserve.client import DistServeSyncClient, FinishReason
-from distserve.launcher import Cluster, ClusterSpec, find_redis_server, free_port
+from distserve.launcher import Cluster, ClusterSpec, StartError, find_redis_server, free_port
 from tests.integration.conftest import WORKER_LEASE_S, wait_for_workers
 from distserve.v1 import common_pb2, kvbroker_pb2, kvbroker_pb2_grpc
 
@@ -122,3 +124,40 @@ def test_children_use_a_tls_redis_with_a_password_and_never_show_it(tiny_model_p
     assert "rediss://:***@127.0.0.1" in banner and "rediss://:***@127.0.0.1" in state
     for text in [banner, state, *argvs, *logs]:
         assert PASSWORD not in text
+
+
+def _control_plane_only(tiny_model_path, tmp_path, redis_port: int) -> ClusterSpec:
+    return ClusterSpec(model=tiny_model_path, num_prefill=0, num_decode=0, gateway_port=None, redis_port=redis_port,
+                       router_port=0, broker_port=0, metrics_base_port=0, log_dir=str(tmp_path / "logs"))
+
+
+def test_a_fixed_port_held_by_a_connection_is_waited_for(tiny_model_path, tmp_path):
+    """A fixed port (`up`'s defaults 50051-50090 lie inside Linux's ephemeral range) can be some connection's
+    local end when a child comes to bind it: the launcher starts the child again on the same port."""
+    port = free_port()
+    peer = socket.create_server(("127.0.0.1", 0))
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: reset, no TIME_WAIT
+    holder.bind(("127.0.0.1", port))
+    holder.connect(peer.getsockname())  # `port` is this connection's local end; nothing listens there
+    releaser = threading.Timer(1.5, holder.close)
+    releaser.start()
+    cluster = Cluster(_control_plane_only(tiny_model_path, tmp_path, port))
+    try:
+        cluster.start(timeout_s=60)
+        assert cluster.redis_url == f"redis://127.0.0.1:{port}/0"
+        assert cluster.processes["redis"].port_waits >= 1
+        assert redis.Redis.from_url(cluster.redis_url).ping()
+    finally:
+        cluster.stop()
+        releaser.join()
+        peer.close()
+
+
+def test_a_fixed_port_a_server_listens_on_fails_the_start_at_once(tiny_model_path, tmp_path):
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):
+        cluster = Cluster(_control_plane_only(tiny_model_path, tmp_path, port))
+        with pytest.raises(StartError, match="Its port is taken"):
+            cluster.start(timeout_s=60)
+    assert cluster.processes["redis"].port_waits == 0
