@@ -20,6 +20,8 @@ A/B here alternates its two arms call by call and reports the medians:
     python -m benchmarks.kernel_ab --only decode_attention --out benchmarks/results/kernel_ab_decode_attention.json
     python -m benchmarks.kernel_ab --only linear_pack_hint --only prefill_attention --out benchmarks/results/kernel_ab_amx.json
     python -m benchmarks.kernel_ab --only decode_linear --only decode_layer --out benchmarks/results/kernel_ab_decode_small_batch.json
+    python -m benchmarks.kernel_ab --dtype float32 --only decode_linear --only decode_attention --only decode_layer \
+        --only prefill_attention --out benchmarks/results/epyc_avx2/kernel_ab_float32.json   # an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -58,17 +60,20 @@ def interleaved(arms: dict, repeats: int = 10) -> dict[str, float]:
 def decode_linear_ab(model: str, dtype: str) -> dict:
     runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
     linears = runner.model.weights.linears
-    ours_up_to = linears[0]._skinny_rows
+    chosen = [lin._skinny_rows for lin in linears]  # the engine's own limits (on AVX2 the lm_head's is higher)
 
-    def rows_limit(limit: int):
-        return lambda: [setattr(lin, "_skinny_rows", limit) for lin in linears]
+    def rows_limit(limit: int | None):
+        return lambda: [setattr(lin, "_skinny_rows", chosen[i] if limit is None else limit)
+                        for i, lin in enumerate(linears)]
 
     results = {}
     for batch in (1, 2, 3, 4, 6, 8, 12, 16):
         step = decode_batch(runner, batch, 256)
-        results[str(batch)] = interleaved({"onednn_ms": (rows_limit(0), step), "ours_ms": (rows_limit(99), step)})
-    rows_limit(ours_up_to)()
-    return {"dtype": dtype, "ours_used_up_to_rows": ours_up_to, "decode_step_by_batch": results}
+        results[str(batch)] = interleaved({"onednn_ms": (rows_limit(0), step), "ours_ms": (rows_limit(99), step),
+                                           "engine_ms": (rows_limit(None), step)})
+    rows_limit(None)()
+    return {"dtype": dtype, "ours_used_up_to_rows": chosen[0], "lm_head_up_to_rows": chosen[-1],
+            "decode_step_by_batch": results}
 
 
 def prefill_ab(model: str) -> dict:
@@ -183,14 +188,14 @@ def decode_layer_ab(model: str, dtype: str) -> dict:
     return {"dtype": dtype, "compiled_layer_available": compiled is not None, "decode_step_by_batch": results}
 
 
-SECTIONS = {
-    "decode_linear": lambda model: [decode_linear_ab(model, dtype) for dtype in ("bfloat16", "float32")],
-    "prefill_kernels": prefill_ab,
-    "linear_pack_hint": lambda model: [linear_pack_hint_ab(model, dtype) for dtype in ("bfloat16", "float32")],
-    "prefill_attention": lambda model: [prefill_attention_ab(model, dtype) for dtype in ("bfloat16", "float32")],
-    "decode_attention": lambda model: [decode_attention_ab(model, dtype) for dtype in ("bfloat16", "float32")],
-    "decode_layer": lambda model: [decode_layer_ab(model, dtype) for dtype in ("bfloat16", "float32")],
-    "sampling": lambda model: sampling_ab(),
+SECTIONS = {  # name -> section(model, dtypes)
+    "decode_linear": lambda model, dtypes: [decode_linear_ab(model, dtype) for dtype in dtypes],
+    "prefill_kernels": lambda model, dtypes: prefill_ab(model),
+    "linear_pack_hint": lambda model, dtypes: [linear_pack_hint_ab(model, dtype) for dtype in dtypes],
+    "prefill_attention": lambda model, dtypes: [prefill_attention_ab(model, dtype) for dtype in dtypes],
+    "decode_attention": lambda model, dtypes: [decode_attention_ab(model, dtype) for dtype in dtypes],
+    "decode_layer": lambda model, dtypes: [decode_layer_ab(model, dtype) for dtype in dtypes],
+    "sampling": lambda model, dtypes: sampling_ab(),
 }
 
 
@@ -199,12 +204,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default:small")
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run these sections (default: all)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), action="append",
+                        help="the dtypes of the per-dtype sections (default: both; prefill_kernels is bf16 only)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = {"model": args.model, "threads": 1, "command": " ".join(["python -m benchmarks.kernel_ab", *sys.argv[1:]])}
     for name in args.only or SECTIONS:
-        result[name] = SECTIONS[name](args.model)
+        result[name] = SECTIONS[name](args.model, args.dtype or ("bfloat16", "float32"))
     write_results(args.out, result)
 
 

@@ -23,27 +23,29 @@ from distserve.engine.dtype import cpu_flags
 # "linear_gbps_by_rows"): beyond them its per-row reductions and passes over the tile cost more than
 # oneDNN's blocking saves.
 SKINNY_ROWS = {torch.float32: 16, torch.bfloat16: 4}
-# With AVX2 + FMA only (AMD Zen 2/3, older Xeons) the tiled path runs 8 float32 lanes and 2 rows a pass.
-# AMD EPYC (AVX2), one core, medians of 30, ours / oneDNN: a 2816x512 weight 0.12 / 0.19 ms at 2 rows,
-# 0.22 / 0.32 at 4, 0.42 / 0.44 at 8, 0.66 / 0.63 at 12; 512x1408 0.15 / 0.22 at 4, 0.33 / 0.29 at 8.
-# A weight too big for the L3 (the lm_head, 32000x512: 65 MB) streams from memory at any batch, and
-# there ours stays ahead further: 6.1 / 7.9 ms at 4 rows, 7.8 / 11.1 at 8, 12.2 / 15.3 at 16, 16.0 /
-# 15.5 at 24.
-AVX2_SKINNY_ROWS, AVX2_STREAMED_SKINNY_ROWS, AVX2_STREAMED_BYTES = 4, 16, 32 << 20
+# With AVX2 + FMA only (AMD Zen 2/3, older Xeons) the tiled path runs 8 float32 lanes and 2 rows a pass,
+# up to as many rows as on AVX-512. One matmul alone, its weight hot in the L3, favours oneDNN from ~12
+# rows (AMD EPYC, one core, medians of 30, ours / oneDNN: 2816x512 0.22 / 0.32 ms at 4 rows, 0.42 / 0.44
+# at 8, 0.66 / 0.63 at 12), but in a decode step every weight streams from memory (default:small's
+# 160 MB against a 32 MB L3), and there ours stays ahead: whole fp32 decode steps, 256 tokens of
+# context, oneDNN / ours (kernel_ab decode_linear, interleaved): batch 6 23.3 / 14.1 ms, 8 25.1 / 17.7,
+# 12 31.4 / 25.5, 16 40.3 / 33.8, 24 58.6 / 57.5, 32 62.9 / 62.6. (The limit was 4 rows for all but
+# the lm_head, from the single-matmul numbers: steps at batch 6-16 ran 11-28% longer.)
+AVX2_SKINNY_ROWS = 16
 # Without either, a portable loop (one dot per row), faster than oneDNN at one row only (same box,
 # 2816x512: 0.15 / 0.24 ms at 1 row, 0.37 / 0.23 at 2).
 PORTABLE_SKINNY_ROWS = 1
 
 
-def skinny_rows(dtype: torch.dtype, weight_bytes: int = 0) -> int:
-    """Most rows a linear of this dtype (and weight size) runs through our kernel on this CPU (0: never)."""
+def skinny_rows(dtype: torch.dtype) -> int:
+    """Most rows a linear of this dtype runs through our kernel on this CPU (0: never)."""
     if dtype not in SKINNY_ROWS:
         return 0
     flags = cpu_flags()
     if (AVX512 if dtype == torch.float32 else AVX512_BF16) <= flags:
         return SKINNY_ROWS[dtype]
     if dtype == torch.float32 and AVX2_FMA <= flags:
-        return AVX2_STREAMED_SKINNY_ROWS if weight_bytes > AVX2_STREAMED_BYTES else AVX2_SKINNY_ROWS
+        return AVX2_SKINNY_ROWS
     return PORTABLE_SKINNY_ROWS
 
 
@@ -74,7 +76,7 @@ class Linear:
         self._can_prepack = _can_prepack(weight)
         self._packed: torch.Tensor | None = None
         self._kernels = cpu_kernels() if weight.device.type == "cpu" else None
-        self._skinny_rows = skinny_rows(weight.dtype, self.num_bytes)
+        self._skinny_rows = skinny_rows(weight.dtype)
 
     def runs_own_kernel(self, rows: int) -> bool:
         """Whether `rows` rows go through our compiled small-batch kernel (else oneDNN or F.linear)."""
