@@ -4,8 +4,8 @@ This box's speed drifts by 30-50% within minutes, so two separate runs cannot co
 A/B here alternates its two arms call by call and reports the medians:
 
 - decode step, linear layers: our small-batch kernel against oneDNN, by batch (linear.SKINNY_ROWS);
-- bf16 prefill: our attention and fused kernels (silu*up, add+RMSNorm, RoPE) against SDPA and torch's
-  ops, by prompt length; bf16 decode steps with the fused kernels against torch's ops, by batch;
+- prefill: our attention and fused kernels (silu*up, add+RMSNorm, RoPE) against SDPA and torch's ops,
+  by prompt length; decode steps with the fused kernels against torch's ops, by batch;
 - oneDNN weight packing: whole decode steps (batches above linear.SKINNY_ROWS) and a prefill with the
   weights packed for batch-size hint 1 against linear.PACK_BATCH_HINT;
 - whole prefills, attention: our compiled kernel against SDPA's CPU flash kernel, bf16 and float32 (the
@@ -76,8 +76,8 @@ def decode_linear_ab(model: str, dtype: str) -> dict:
             "decode_step_by_batch": results}
 
 
-def prefill_ab(model: str) -> dict:
-    runner = ModelRunner(load_engine_model(resolve_model_path(model), "bfloat16", "cpu"))
+def prefill_ab(model: str, dtype: str) -> dict:
+    runner = ModelRunner(load_engine_model(resolve_model_path(model), dtype, "cpu"))
     model = runner.model
     kernel_choice, silu_mul, small_ops = attention.prefill_kernel, model.fused_silu_mul, model.fused_small_ops
 
@@ -97,7 +97,7 @@ def prefill_ab(model: str) -> dict:
         step = decode_batch(runner, batch, 256)
         decode[str(batch)] = interleaved({"torch_ms": (use(False), step), "ours_ms": (use(True), step)})
     use(True)()
-    return {"dtype": "bfloat16", "prefill_by_prompt_length": results, "decode_step_by_batch": decode}
+    return {"dtype": dtype, "prefill_by_prompt_length": results, "decode_step_by_batch": decode}
 
 
 def linear_pack_hint_ab(model: str, dtype: str) -> dict:
@@ -190,7 +190,7 @@ def decode_layer_ab(model: str, dtype: str) -> dict:
 
 SECTIONS = {  # name -> section(model, dtypes)
     "decode_linear": lambda model, dtypes: [decode_linear_ab(model, dtype) for dtype in dtypes],
-    "prefill_kernels": lambda model, dtypes: prefill_ab(model),
+    "prefill_kernels": lambda model, dtypes: [prefill_ab(model, dtype) for dtype in dtypes],
     "linear_pack_hint": lambda model, dtypes: [linear_pack_hint_ab(model, dtype) for dtype in dtypes],
     "prefill_attention": lambda model, dtypes: [prefill_attention_ab(model, dtype) for dtype in dtypes],
     "decode_attention": lambda model, dtypes: [decode_attention_ab(model, dtype) for dtype in dtypes],
@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--model", default="default:small")
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run these sections (default: all)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), action="append",
-                        help="the dtypes of the per-dtype sections (default: both; prefill_kernels is bf16 only)")
+                        help="the dtypes of the per-dtype sections (default: both)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)

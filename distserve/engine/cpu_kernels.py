@@ -23,7 +23,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "skinny_matmul.cpp", "prefill_attention.cpp",
                                       "silu_and_mul.cpp", "norm_rope.cpp", "decode_attention_bf16.cpp",
                                       "decode_attention_f32.cpp", "decode_attention_avx2.cpp",
-                                      "prefill_attention_avx2.cpp", "decode_layer.cpp", "sampling_weights.cpp")]
+                                      "prefill_attention_avx2.cpp", "decode_layer.cpp", "sampling_weights.cpp",
+                                      "small_ops_f32.cpp")]
 # at::parallel_for is a header template: built without OpenMP it runs every loop on the calling thread,
 # so a worker with several cores ran our kernels on one. With it, bf16 decode steps on 2 threads (ctx
 # 256, medians of 5 interleaved runs): batch 8 / 32 / 64 11.9 / 24.0 / 33.0 -> 9.0 / 18.1 / 24.3 ms.
@@ -49,7 +50,11 @@ _present: dict[str, bool] = {}  # has_op's answers, by op name
 AVX512 = frozenset({"avx512f"})
 AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})
 AVX2_FMA = frozenset({"avx2", "fma"})  # also the AVX2 path of skinny_linear (float32)
+ANY_CPU = frozenset()  # plain loops the compiler vectorises for whatever the CPU has
 KERNEL_CPU_FLAGS = {
+    "add_rms_norm_f32": (ANY_CPU,),
+    "rope_f32_": (ANY_CPU,),
+    "silu_and_mul_f32": (ANY_CPU,),
     "paged_decode_attention_f32": (AVX512, AVX2_FMA),
     "sampling_weights_f32": (AVX512, AVX2_FMA),
     "prefill_attention_f32": (AVX512, AVX2_FMA),
@@ -90,13 +95,6 @@ def cpu_kernels_with(like, name: str):
         return None
     kernels = cpu_kernels()
     return kernels if kernels is not None and has_op(kernels, name) else None
-
-
-def bf16_cpu_kernels(like, name: str):
-    """cpu_kernels_with for a bfloat16 `like` (the bf16-only ops), else None."""
-    import torch
-
-    return cpu_kernels_with(like, name) if like.dtype == torch.bfloat16 else None
 
 
 def _build_name(flags) -> str:

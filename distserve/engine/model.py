@@ -7,10 +7,10 @@
 - `decode`: one token per sequence. Each new token's K/V is written in place into the paged cache;
   attention reads the cache layer by layer through the block tables (`paged_attention`).
 
-Maths follows transformers' modeling code op for op (RMSNorm in float32, rotate-half RoPE, SDPA
-with scale 1/sqrt(D)), so float32 output matches `generate(do_sample=False)` token for token. A
-bfloat16 model on a CPU with AVX512-BF16 runs the same maths through fused kernels (csrc/: add +
-RMSNorm, RoPE, silu*up, prefill attention), within bf16 rounding of the torch ops. A decode-only
+Maths follows transformers' modeling code (RMSNorm in float32, rotate-half RoPE, SDPA with scale
+1/sqrt(D)), so float32 output matches `generate(do_sample=False)` token for token. On CPU the small
+ops run fused (csrc/: add + RMSNorm, RoPE, silu*up; float32 on any CPU, bfloat16 with AVX512-BF16),
+as do attention's, within rounding of the torch ops. A decode-only
 step at small batch runs each layer as one C++ call of the same ops (csrc/decode_layer.cpp), bitwise
 equal to the Python layer. The same code runs on CUDA, with torch's ops.
 """
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from distserve.engine.attention import PagedDecodeAttention, compiled_decode_kernel, prefill_attention
-from distserve.engine.cpu_kernels import bf16_cpu_kernels, cpu_kernels_with
+from distserve.engine.cpu_kernels import cpu_kernels_with
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_spec import text_config
 from distserve.engine.weights import LayerWeights, ModelArgs, ModelWeights
@@ -90,7 +91,7 @@ class LlamaModel:
         a = self.args
         qkv = layer.qkv(x)  # [N, (H + 2 Hkv) D]
         if self.fused_small_ops is not None:  # q and k rotated in place, in qkv
-            self.fused_small_ops.rope_bf16_(qkv, rope[0], rope[1], a.num_heads + a.num_kv_heads, a.head_dim)
+            self.fused_small_ops.rope_(qkv, rope[0], rope[1], a.num_heads + a.num_kv_heads, a.head_dim)
         q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
                              a.num_kv_heads * a.head_dim], dim=-1)
         q, k = q.view(-1, a.num_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim)
@@ -108,13 +109,13 @@ class LlamaModel:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused_small_ops is not None:
-            return self.fused_small_ops.add_rms_norm_bf16(x, None, weight, self.args.rms_norm_eps)[1]
+            return self.fused_small_ops.add_rms_norm(x, None, weight, self.args.rms_norm_eps)[1]
         return rms_norm(x, weight, self.args.rms_norm_eps)
 
     def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor):
-        """(residual + delta, its RMSNorm with weight): one fused pass in bf16 on CPU."""
+        """(residual + delta, its RMSNorm with weight): one fused pass on CPU."""
         if self.fused_small_ops is not None:
-            return self.fused_small_ops.add_rms_norm_bf16(residual, delta, weight, self.args.rms_norm_eps)
+            return self.fused_small_ops.add_rms_norm(residual, delta, weight, self.args.rms_norm_eps)
         h = residual + delta
         return h, rms_norm(h, weight, self.args.rms_norm_eps)
 
@@ -249,32 +250,48 @@ class PagedStep:
         self.attention = PagedDecodeAttention(cache, block_tables, positions + 1, window)
 
 
-def _fused_norm_rope(like: torch.Tensor, hidden_size: int, head_dim: int):
-    """torch.ops.distserve with add_rms_norm_bf16 and rope_bf16_ (csrc/norm_rope.cpp) for a bfloat16
-    model on a CPU with AVX512-BF16 and sizes they take, else None (torch's ops: float32 stays
-    token-exact with transformers)."""
-    if hidden_size % 16 or head_dim % 32:
-        return None
-    return bf16_cpu_kernels(like, "add_rms_norm_bf16")
+@dataclasses.dataclass(frozen=True)
+class SmallOps:
+    """The fused add + RMSNorm and in-place RoPE of one dtype (csrc/norm_rope.cpp for bfloat16,
+    csrc/small_ops_f32.cpp for float32): see those files for the contracts."""
+
+    add_rms_norm: Callable  # (residual, delta or None, weight, eps) -> (sum, normed)
+    rope_: Callable  # (qkv, cos, sin, rotated_heads, head_dim), in place
+
+
+def _fused_norm_rope(like: torch.Tensor, hidden_size: int, head_dim: int) -> SmallOps | None:
+    """The fused small ops for the model's dtype on CPU, else None (torch's ops): bfloat16 on a CPU with
+    AVX512-BF16 and sizes its kernels take; float32 on any CPU (plain vectorised loops)."""
+    if like.dtype == torch.bfloat16 and not (hidden_size % 16 or head_dim % 32):
+        kernels = cpu_kernels_with(like, "add_rms_norm_bf16")
+        return SmallOps(kernels.add_rms_norm_bf16, kernels.rope_bf16_) if kernels is not None else None
+    if like.dtype == torch.float32 and head_dim % 2 == 0:
+        kernels = cpu_kernels_with(like, "add_rms_norm_f32")
+        return SmallOps(kernels.add_rms_norm_f32, kernels.rope_f32_) if kernels is not None else None
+    return None
+
+
+_SILU_AND_MUL_OPS = {torch.bfloat16: "silu_and_mul_bf16", torch.float32: "silu_and_mul_f32"}
 
 
 def _fused_silu_and_mul(act_name: str, like: torch.Tensor):
-    """Our one-pass silu(gate) * up (csrc/silu_and_mul.cpp) for bfloat16 on a CPU with AVX512-BF16,
-    else None. float32 keeps torch's ops: token-exact with transformers."""
-    kernels = bf16_cpu_kernels(like, "silu_and_mul_bf16") if act_name in ("silu", "swish") else None
-    return kernels.silu_and_mul_bf16 if kernels is not None else None
+    """Our one-pass silu(gate) * up (csrc/silu_and_mul.cpp for bfloat16 on a CPU with AVX512-BF16,
+    csrc/small_ops_f32.cpp for float32), else None."""
+    name = _SILU_AND_MUL_OPS.get(like.dtype)
+    kernels = cpu_kernels_with(like, name) if name and act_name in ("silu", "swish") else None
+    return getattr(kernels, name) if kernels is not None else None
 
 
 def _compiled_decode_layer(model: LlamaModel):
     """torch.ops.distserve.decode_layer (csrc/decode_layer.cpp) where it runs exactly this model's
     maths: on CPU, a silu MLP, no bias but qkv's, our tiled decode attention for the dtype and
-    head_dim, and in bfloat16 the fused kernels; else None (the Python layer)."""
+    head_dim, and the fused small ops; else None (the Python layer)."""
     w, args = model.weights, model.args
     if args.hidden_act not in ("silu", "swish") or w.embed.dtype not in (torch.bfloat16, torch.float32):
         return None
     if any(linear.bias is not None for layer in w.layers for linear in (layer.o, layer.gate_up, layer.down)):
         return None
-    if w.embed.dtype == torch.bfloat16 and (model.fused_small_ops is None or model.fused_silu_mul is None):
+    if model.fused_small_ops is None or model.fused_silu_mul is None:
         return None
     if compiled_decode_kernel(torch.empty((0, args.head_dim), dtype=w.embed.dtype, device=w.embed.device)) is None:
         return None

@@ -3,10 +3,11 @@
 // At batch 1-16 a layer is ~15 small calls around 4 weight-streaming matmuls; issued from Python each
 // costs a few microseconds of interpreter and dispatch, ~0.4 ms a step on the default model (10% of
 // a bf16 batch-1 step). Here the same calls, in the same order with the same arguments, go through
-// the dispatcher from C++. The maths is model.py's op for op: bfloat16 through the fused kernels
-// (add + RMSNorm, RoPE in place, silu*up), float32 through the torch ops transformers uses (so it
-// stays token-exact); the caller (LlamaModel.forward) only takes this path where every matmul of the
-// step would run our small-batch kernel and attention our AVX-512 kernel for this dtype.
+// the dispatcher from C++. The maths is model.py's op for op, through the same fused kernels of the
+// step's dtype (add + RMSNorm, RoPE in place, silu*up: norm_rope.cpp and silu_and_mul.cpp for bfloat16,
+// small_ops_f32.cpp for float32); the caller (LlamaModel.forward) only takes this path where the model
+// has them and every matmul of the step would run our small-batch kernel and attention our tiled
+// kernel for this dtype.
 //
 // h, normed:     [B, hidden] the residual stream and its input norm (from the layer before)
 // cos, sin:      [B, D] this step's RoPE rows
@@ -33,30 +34,16 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& w, const c1
   return bias.has_value() ? y + *bias : y;  // as linear.Linear
 }
 
-// As model.rms_norm (transformers' LlamaRMSNorm).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  auto x32 = x.to(at::kFloat);
-  x32 = x32 * at::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * x32.to(x.scalar_type());
-}
-
-// As model.apply_rope. x: [B, heads, D]; cos, sin: [B, 1, D].
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  auto rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-  return x * cos + rotated * sin;
-}
-
-// (residual + delta, its RMSNorm): model.LlamaModel._add_norm.
+// (residual + delta, its RMSNorm): model.LlamaModel._add_norm through SmallOps.add_rms_norm.
 std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& residual, const at::Tensor& delta,
                                             const at::Tensor& weight, double eps) {
-  if (residual.scalar_type() == at::kBFloat16) {
-    static auto fused = find_op<std::tuple<at::Tensor, at::Tensor>(
-        at::Tensor, c10::optional<at::Tensor>, at::Tensor, double)>("distserve::add_rms_norm_bf16");
+  using AddNorm = std::tuple<at::Tensor, at::Tensor>(at::Tensor, c10::optional<at::Tensor>, at::Tensor, double);
+  if (residual.scalar_type() == at::kBFloat16) {  // each looked up on first use: bf16's needs AVX512-BF16
+    static auto fused = find_op<AddNorm>("distserve::add_rms_norm_bf16");
     return fused.call(residual, delta, weight, eps);
   }
-  auto h = residual + delta;
-  return {h, rms_norm(h, weight, eps)};
+  static auto fused = find_op<AddNorm>("distserve::add_rms_norm_f32");
+  return fused.call(residual, delta, weight, eps);
 }
 
 }  // namespace
@@ -74,18 +61,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
   // Attention: model.LlamaModel._qkv, PagedKvCache.write_slots, PagedDecodeAttention.
   auto qkv = small_batch_linear(normed, qkv_w, qkv_b);  // [B, (H + 2 Hkv) D]
-  at::Tensor q, k;
+  using Rope = void(at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t);
   if (bf16) {
-    static auto rope = find_op<void(at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t)>(
-        "distserve::rope_bf16_");
+    static auto rope = find_op<Rope>("distserve::rope_bf16_");
     rope.call(qkv, cos, sin, heads + kv_heads, head_dim);  // q and k rotated in place
-    q = qkv.narrow(1, 0, q_width).view({batch, heads, head_dim});
-    k = qkv.narrow(1, q_width, kv_width).view({batch, kv_heads, head_dim});
   } else {
-    auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // [B, 1, D]
-    q = apply_rope(qkv.narrow(1, 0, q_width).view({batch, heads, head_dim}), c, s);
-    k = apply_rope(qkv.narrow(1, q_width, kv_width).view({batch, kv_heads, head_dim}), c, s);
+    static auto rope = find_op<Rope>("distserve::rope_f32_");
+    rope.call(qkv, cos, sin, heads + kv_heads, head_dim);
   }
+  auto q = qkv.narrow(1, 0, q_width).view({batch, heads, head_dim});
+  auto k = qkv.narrow(1, q_width, kv_width).view({batch, kv_heads, head_dim});
   auto v = qkv.narrow(1, q_width + kv_width, kv_width).view({batch, kv_heads, head_dim});
   auto flat = layer_cache.view({2, -1, kv_heads, head_dim});  // [2, total_slots, Hkv, D]
   flat[0].index_copy_(0, slots, k);
@@ -108,8 +93,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     static auto silu_mul = find_op<at::Tensor(at::Tensor)>("distserve::silu_and_mul_bf16");
     activated = silu_mul.call(gate_up);
   } else {
-    auto parts = gate_up.chunk(2, -1);
-    activated = at::silu(parts[0]) * parts[1];
+    static auto silu_mul = find_op<at::Tensor(at::Tensor)>("distserve::silu_and_mul_f32");
+    activated = silu_mul.call(gate_up);
   }
   return add_norm(h1, small_batch_linear(activated, down_w, no_bias), next_norm_w, eps);
 }

@@ -46,6 +46,23 @@ inline bool is_bad(float y) {
   return (b & kAbsMask) >= kPlusInf && b != kMinusInf;
 }
 
+// row_max's end, for both bodies: the scalar tail [i, vocab) past the vector part (whose max is mx and
+// verdict bad), then the verdict: false when the row has a NaN or +inf, or only -inf.
+bool finish_row_max(const float* x, int64_t vocab, int64_t i, float mx, bool bad, float* out_max) {
+  for (; i < vocab; ++i) {
+    const float y = x[i];
+    bad |= is_bad(y);
+    mx = y > mx ? y : mx;
+  }
+  // every lane -inf leaves the -FLT_MAX start: look for a finite value instead
+  bool any_finite = mx > -std::numeric_limits<float>::max();
+  if (!any_finite) {
+    for (int64_t j = 0; j < vocab && !any_finite; ++j) any_finite = bits_of(x[j]) != kMinusInf;
+  }
+  *out_max = mx;
+  return !bad && any_finite;
+}
+
 #if defined(__AVX512F__)
 inline __mmask16 bad_lanes(__m512 y) {
   const __m512i b = _mm512_castps_si512(y);
@@ -65,19 +82,7 @@ bool row_max(const float* x, int64_t vocab, float* out_max) {
     bad |= bad_lanes(y);
     m = _mm512_max_ps(m, y);
   }
-  float mx = _mm512_reduce_max_ps(m);
-  for (; i < vocab; ++i) {
-    const float y = x[i];
-    bad |= is_bad(y);
-    mx = y > mx ? y : mx;
-  }
-  // every lane -inf leaves the -FLT_MAX start: look for a finite value instead
-  bool any_finite = mx > -std::numeric_limits<float>::max();
-  if (!any_finite) {
-    for (int64_t j = 0; j < vocab && !any_finite; ++j) any_finite = bits_of(x[j]) != kMinusInf;
-  }
-  *out_max = mx;
-  return !bad && any_finite;
+  return finish_row_max(x, vocab, i, _mm512_reduce_max_ps(m), bad != 0, out_max);
 }
 
 // Pass 2: weights and their per-block float64 sums. (x - max) before the scale, so the top token's
@@ -126,20 +131,7 @@ bool row_max(const float* x, int64_t vocab, float* out_max) {
     bad_v = _mm256_or_si256(bad_v, bad_lanes(y));
     m = _mm256_max_ps(m, y);
   }
-  float mx = hmax256(m);
-  bool bad = !_mm256_testz_si256(bad_v, bad_v);
-  for (; i < vocab; ++i) {
-    const float y = x[i];
-    bad |= is_bad(y);
-    mx = y > mx ? y : mx;
-  }
-  // every lane -inf leaves the -FLT_MAX start: look for a finite value instead
-  bool any_finite = mx > -std::numeric_limits<float>::max();
-  if (!any_finite) {
-    for (int64_t j = 0; j < vocab && !any_finite; ++j) any_finite = bits_of(x[j]) != kMinusInf;
-  }
-  *out_max = mx;
-  return !bad && any_finite;
+  return finish_row_max(x, vocab, i, hmax256(m), !_mm256_testz_si256(bad_v, bad_v), out_max);
 }
 
 // Pass 2: as the AVX-512 one, 8 lanes at a time.
