@@ -9,10 +9,10 @@
 
 Maths follows transformers' modeling code (RMSNorm in float32, rotate-half RoPE, SDPA with scale
 1/sqrt(D)), so float32 output matches `generate(do_sample=False)` token for token. On CPU the small
-ops run fused (csrc/: add + RMSNorm, RoPE, silu*up; float32 on any CPU, bfloat16 with AVX512-BF16),
-as do attention's, within rounding of the torch ops. A decode-only
-step at small batch runs each layer as one C++ call of the same ops (csrc/decode_layer.cpp), bitwise
-equal to the Python layer. The same code runs on CUDA, with torch's ops.
+ops (add + RMSNorm, RoPE, silu*up; float32 on any CPU, bfloat16 with AVX512-BF16) and attention run
+through our kernels (csrc/), within rounding of torch's ops. A decode-only step at small batch runs
+each layer as one C++ call of the same ops (csrc/decode_layer.cpp), bitwise equal to the Python
+layer. The same code runs on CUDA, with torch's ops.
 """
 
 from __future__ import annotations
