@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "avx2_math.h"
+#include "paged_rows.h"
 
 namespace {
 
@@ -34,9 +35,8 @@ constexpr float MASKED = -1e30f;  // a finite -inf (built with -ffast-math, whic
 constexpr int64_t AHEAD = 16;     // keys prefetched ahead of the tile computed
 constexpr int DIMS_STEP = 4;      // ymm of dims per pass of weigh_tile
 
-struct Layout {
-  int64_t heads, kv_heads, block_size, plane;  // plane: elements from K's to V's half of the layer
-};
+using paged_rows::Layout;
+using paged_rows::prefetch_rows;
 
 struct Scratch {
   std::vector<int64_t> rows;   // [n] element offset of each key's row (all KV heads) in one plane
@@ -88,14 +88,6 @@ void weigh_tile(const float* values, const int64_t* rows, int64_t t0, int64_t t1
   }
 }
 
-// Prefetches the rows (all KV heads) of keys [t0, t1) of one plane into L2.
-inline void prefetch_rows(const float* plane, const int64_t* rows, int64_t t0, int64_t t1, int64_t row_bytes) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const char* p = reinterpret_cast<const char*>(plane + rows[t]);
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T1);
-  }
-}
-
 // In place: scores -> exp(scores - max) over `padded` (a multiple of 8) entries; returns 1 / their sum.
 inline float softmax_unnormalised(float* s, int64_t padded) {
   __m256 top = _mm256_set1_ps(MASKED);
@@ -116,11 +108,7 @@ void attend_sequence(const float* q, const float* cache, const int64_t* table, i
                      const Layout& l, float scale, float* out, Scratch& w) {
   const int64_t n = len - start, group = l.heads / l.kv_heads, row = l.kv_heads * D;
   const int64_t row_bytes = row * int64_t(sizeof(float)), padded = (n + KB - 1) / KB * KB;
-  w.rows.resize(n);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = start + t;
-    w.rows[t] = (table[pos / l.block_size] * l.block_size + pos % l.block_size) * row;
-  }
+  paged_rows::key_rows(table, start, n, l, row, w.rows);
   w.scores.resize(l.heads * padded);
   w.acc.assign(l.heads * D, 0.0f);
   const __m256 scale_v = _mm256_set1_ps(scale);
@@ -169,21 +157,11 @@ void run(const float* q, const float* cache, const int64_t* tables, const int64_
 
 at::Tensor paged_decode_attention_f32(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor seq_lens,
                                       int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.is_contiguous() && q.is_contiguous(), "bad q/cache");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && cache.scalar_type() == at::kFloat, "q and cache must be float32");
+  const auto [tables, lens, layout] = paged_rows::check_args(q, cache, block_tables, seq_lens, at::kFloat);
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128");
-  TORCH_CHECK(q.size(1) % cache.size(3) == 0 && cache.size(4) == d, "q and cache heads do not match");
-  auto tables = block_tables.to(at::kLong).contiguous();
-  auto lens = seq_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "one block table and length per query");
-  const int64_t* len_ptr = lens.data_ptr<int64_t>();
-  TORCH_CHECK(std::all_of(len_ptr, len_ptr + lens.numel(), [](int64_t n) { return n > 0; }),
-              "every sequence needs at least one key");
-  const Layout layout{q.size(1), cache.size(3), cache.size(2), cache.stride(0)};
   auto out = at::empty_like(q);
   auto go = d == 64 ? &run<64> : &run<128>;
-  go(q.data_ptr<float>(), cache.data_ptr<float>(), tables.data_ptr<int64_t>(), len_ptr, q.size(0), tables.size(1),
+  go(q.data_ptr<float>(), cache.data_ptr<float>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), q.size(0), tables.size(1),
      window, layout, float(scale), out.data_ptr<float>());
   return out;
 }

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "avx512_math.h"
+#include "paged_rows.h"
 
 namespace decode_attention {
 
@@ -38,9 +39,8 @@ constexpr int64_t KB = 16;        // keys per tile: one zmm of float32 scores
 constexpr float MASKED = -1e30f;  // a finite -inf (built with -ffast-math, which assumes no infinities)
 constexpr int64_t AHEAD = KB;     // keys prefetched ahead of the tile computed (2-4 tiles measured no better)
 
-struct Layout {
-  int64_t heads, kv_heads, block_size, plane;  // plane: elements from K's to V's half of the layer
-};
+using paged_rows::Layout;
+using paged_rows::prefetch_rows;
 
 template <class Ops>
 struct Scratch {
@@ -71,16 +71,6 @@ inline void store_scores(const __m512* partial, int64_t count, __m512 scale, flo
   _mm512_storeu_ps(scores, _mm512_mask_blend_ps(__mmask16((1u << count) - 1), _mm512_set1_ps(MASKED), s));
 }
 
-// Prefetches the rows (all KV heads) of keys [t0, t1) of one plane into L2. At bf16 batch 32 this took
-// the kernel from ~6 to ~9 GB/s, about what a plain read of random 8 KB chunks reaches on this machine.
-template <typename elem>
-inline void prefetch_rows(const elem* plane, const int64_t* rows, int64_t t0, int64_t t1, int64_t row_bytes) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const char* p = reinterpret_cast<const char*>(plane + rows[t]);
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T1);
-  }
-}
-
 // In place: scores -> exp(scores - max) over `padded` (a multiple of 16) entries; returns 1 / their sum.
 inline float softmax_unnormalised(float* s, int64_t padded) {
   __m512 top = _mm512_set1_ps(MASKED);
@@ -103,11 +93,7 @@ void attend_sequence(const typename Ops::elem* q, const typename Ops::elem* cach
   using elem = typename Ops::elem;
   const int64_t n = len - start, group = l.heads / l.kv_heads, row = l.kv_heads * D;
   const int64_t row_bytes = row * sizeof(elem), padded = (n + KB - 1) / KB * KB;
-  w.rows.resize(n);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = start + t;
-    w.rows[t] = (table[pos / l.block_size] * l.block_size + pos % l.block_size) * row;
-  }
+  paged_rows::key_rows(table, start, n, l, row, w.rows);
   w.scores.resize(l.heads * padded);
   w.acc.assign(l.heads * D, 0.0f);
   const __m512 scale_v = _mm512_set1_ps(scale);
@@ -156,18 +142,8 @@ void run(const typename Ops::elem* q, const typename Ops::elem* cache, const int
 template <class Ops>
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor seq_lens,
                                   int64_t window, double scale, at::ScalarType dtype) {
-  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.is_contiguous() && q.is_contiguous(), "bad q/cache");
-  TORCH_CHECK(q.scalar_type() == dtype && cache.scalar_type() == dtype, "q and cache must be ", dtype);
+  const auto [tables, lens, layout] = paged_rows::check_args(q, cache, block_tables, seq_lens, dtype);
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128");
-  TORCH_CHECK(q.size(1) % cache.size(3) == 0 && cache.size(4) == d, "q and cache heads do not match");
-  auto tables = block_tables.to(at::kLong).contiguous();
-  auto lens = seq_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(lens.numel() == q.size(0) && tables.size(0) == q.size(0), "one block table and length per query");
-  const int64_t* len_ptr = lens.data_ptr<int64_t>();  // read in place: min().item() cost ~1 us a layer
-  TORCH_CHECK(std::all_of(len_ptr, len_ptr + lens.numel(), [](int64_t n) { return n > 0; }),
-              "every sequence needs at least one key");
-  const Layout layout{q.size(1), cache.size(3), cache.size(2), cache.stride(0)};
   auto out = at::empty_like(q);
   using elem = typename Ops::elem;
   const auto* q_ptr = static_cast<const elem*>(q.data_ptr());
