@@ -22,8 +22,16 @@ class SpillPolicy:
     def saturated(self, queued_tokens: float, running: float) -> bool:
         """Whether a pair whose prefill side has queued_tokens outstanding and whose decode side runs
         `running` sequences is past either mark."""
-        return bool((self.prefill_tokens and queued_tokens >= self.prefill_tokens)
-                    or (self.decode_running and running >= self.decode_running))
+        return bool(self.saturated_sides(queued_tokens, running))
+
+    def saturated_sides(self, queued_tokens: float, running: float) -> frozenset[str]:
+        """Which of the pair's sides ("prefill", "decode") are past their marks (empty: neither)."""
+        sides = set()
+        if self.prefill_tokens and queued_tokens >= self.prefill_tokens:
+            sides.add("prefill")
+        if self.decode_running and running >= self.decode_running:
+            sides.add("decode")
+        return frozenset(sides)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "SpillPolicy":

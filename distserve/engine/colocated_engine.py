@@ -5,10 +5,13 @@ chunks) -> first token -> KV handed to the paged cache (in process, one copy) ->
 DecodeEngine's running batch) -> finished.
 
 Each step is one fused forward (ModelRunner.step): every running sequence's next token, plus
-prompt chunks under what is left of the token budget, as vLLM's chunked prefill does. Decoding
-sequences go first, so a long prompt costs them a longer step, never a skipped one; the budget
-(the saturation length) bounds how much longer. The batcher and decode engine keep their own
-policies and bookkeeping; this loop only drives both with one forward.
+prompt chunks under the token budget, as vLLM's chunked prefill does. Decoding sequences go first,
+so a long prompt costs them a longer step, never a skipped one; the budget (the saturation length)
+bounds how much longer. The decoding rows ride on top of the budget rather than out of it: taken
+out of it, a prompt of exactly the budget ran as two forwards, the second shared with the next
+prompt's head, and so did every prompt queued behind it (each one's first token a forward late).
+The batcher and decode engine keep their own policies and bookkeeping; this loop only drives both
+with one forward.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class ColocatedEngine:
         while True:
             await self._wakeup.wait()
             decoding = self.decode.begin()
-            chunks = self.prefill.take_batch(max(self.max_batch_tokens - len(decoding), 0))
+            chunks = self.prefill.take_batch(self.max_batch_tokens)
             if not decoding and not chunks:
                 if not self.decode.scheduler.has_work():
                     self._wakeup.clear()

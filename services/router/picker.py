@@ -7,9 +7,12 @@ registry entry may outlive it by up to one lease).
 
 Spilling: a prefill or decode worker started with also_colocated registers a second, spill-only
 colocated record. Those take whole requests only while the prefill/decode pairs are saturated (a
-prompt queue or a decode batch past distserve.spill_policy's marks), and then the one expected to be free
-first: its queued prompt tokens times what a prompt token costs it, and its decode tokens left times the cheapest
-cost per decoded token any spill-only worker measured (`busy_seconds`). At
+prompt queue or a decode batch past distserve.spill_policy's marks), and only on the side that is not:
+a prefill worker's half shares that worker's prompt queue and core, so while prompts queue it could
+only take a request to the back of the same queue and then slow that queue with its decoding (a
+decode worker's half, likewise, while the decode batch is full). Of those, the one expected to be
+free first: its queued prompt tokens times what a prompt token costs it, and its decode tokens left
+times the cheapest cost per decoded token any spill-only worker measured (`busy_seconds`). At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """
@@ -110,11 +113,17 @@ class WorkerPicker:
     def pick_spill(self, prompt_tokens: int, num_tokens: int) -> WorkerRecord | None:
         """The spill-only colocated worker to take a whole request (num_tokens of KV, prompt_tokens of
         them prompt), or None: none can hold it, or the pairs are not saturated (module docstring)."""
-        spill = self._colocated_fitting(num_tokens, spill_only=True)
-        if not spill or not self.pairs_saturated(prompt_tokens, num_tokens):
+        saturated = self.saturated_sides(prompt_tokens, num_tokens)
+        spill = [w for w in self._colocated_fitting(num_tokens, spill_only=True)
+                 if saturated and (len(saturated) > 1 or self._pair_role(w) not in saturated)]
+        if not spill:
             return None
         busy = self.busy_seconds(spill)
         return min(spill, key=lambda w: busy[w.worker_id])
+
+    def _pair_role(self, spill_record: WorkerRecord) -> str:
+        """The role of the worker a spill-only record belongs to (the two records share a worker id)."""
+        return "prefill" if any(w.worker_id == spill_record.worker_id for w in self._workers["prefill"]) else "decode"
 
     async def announce_spill(self) -> None:
         """Marks spilling in the registry, at most every SPILL_ANNOUNCE_S; a Redis error is logged, not raised."""
@@ -128,18 +137,24 @@ class WorkerPicker:
             log.warning("could not mark spilling in the registry: %s", exc)
 
     def pairs_saturated(self, prompt_tokens: int, num_tokens: int) -> bool:
-        """Whether the prefill/decode path is past SpillPolicy's marks: its least-loaded prefill worker's
-        outstanding prompt tokens, or its least-loaded decode worker's sequences (none with room counts)."""
+        """Whether the prefill/decode path is past SpillPolicy's marks on either side."""
+        return bool(self.saturated_sides(prompt_tokens, num_tokens))
+
+    def saturated_sides(self, prompt_tokens: int, num_tokens: int) -> frozenset[str]:
+        """The sides of the prefill/decode path past SpillPolicy's marks: its least-loaded prefill worker's
+        outstanding prompt tokens, its least-loaded decode worker's sequences (none with room counts)."""
         prefill = self.pick_prefill(prompt_tokens)
-        decode = prefill and self.pick_decode(num_tokens, prefill.kv_format)
-        if prefill is None or decode is None:
-            return True
+        if prefill is None:
+            return frozenset({"prefill"})
+        decode = self.pick_decode(num_tokens, prefill.kv_format)
+        if decode is None:
+            return frozenset({"decode"})
         # max, not sum: a report and this router's in-flight count mostly cover the same requests, and
         # counting them twice would spill at half the marks
         queued = max(prefill.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[prefill.worker_id])
         running = max(decode.load.get("num_running", 0) + decode.load.get("num_waiting", 0),
                       self._inflight_streams[decode.worker_id])
-        return self._spill.saturated(queued, running)
+        return self._spill.saturated_sides(queued, running)
 
     def busy_seconds(self, workers: list[WorkerRecord]) -> dict[str, float]:
         """Each worker's expected time to clear its queued work: outstanding prompt tokens times the

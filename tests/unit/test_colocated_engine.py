@@ -86,8 +86,18 @@ async def test_prompt_chunks_ride_along_decode_steps_and_tokens_match_alone(mode
     together = await run_concurrently(engine, [(short, 30, 0.0), (long, 5, 0.0)])
     mixed = [(p, d) for p, d in runner.shapes if p and d]
     assert mixed, runner.shapes  # the long prompt was prefilled inside the short one's decode steps
-    assert all(p + d <= BUDGET for p, d in runner.shapes)  # decode rows count against the budget
+    assert all(p <= BUDGET for p, _ in runner.shapes)  # decode rows ride on top of the prompt budget
     alone = [await run_concurrently(build(model, spec)[0], [(prompt, n, 0.0)]) for prompt, n in ((short, 30),
                                                                                                  (long, 5))]
     assert together == [alone[0][0], alone[1][0]]
     assert engine.decode.scheduler.allocator.num_used == 0
+
+
+async def test_a_prompt_of_exactly_the_budget_is_one_forward_beside_decoding_sequences(model, spec):
+    # counted against the budget, the decoding row split it into 31 + 1 tokens over two forwards
+    short, exact = list(range(5, 12)), list(range(20, 20 + BUDGET))
+    engine, runner = build(model, spec)
+    await run_concurrently(engine, [(short, 100, 0.0), (exact, 5, 0.02)])
+    prompt_steps = [(p, d) for p, d in runner.shapes if p]
+    assert (BUDGET, 1) in prompt_steps, runner.shapes
+    assert [p for p, _ in prompt_steps] == [len(short), BUDGET], runner.shapes

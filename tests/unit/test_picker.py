@@ -132,14 +132,28 @@ def test_a_pair_without_a_decode_worker_able_to_take_the_request_counts_as_satur
 
 
 def test_spill_goes_to_the_worker_expected_to_be_free_first():
-    # p: 2000 queued prompt tokens at 0.1 ms = 0.2 s; d: 600 decode tokens at 1 ms = 0.6 s
+    # both sides saturated; p: 2000 queued prompt tokens at 0.1 ms = 0.2 s; d: 600 decode tokens at 1 ms = 0.6 s
     spill = [spill_record("p", outstanding=2000, prefill_s=1e-4, decode_s=1e-3),
              spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)]
-    picker = spill_fleet(prefill_outstanding=2000, spill=spill)
+    picker = spill_fleet(prefill_outstanding=2000, decode_running=32, spill=spill)
     assert picker.busy_seconds(spill) == {"p": 2000 * 1e-4, "d": 600 * 1e-3}
     assert picker.pick_spill(100, 200).worker_id == "p"
     with picker.track_decode(spill[0], 500):  # 0.5 s more decoding sent to p since its report
         assert picker.pick_spill(100, 200).worker_id == "d"
+
+
+def test_spill_goes_only_to_the_half_of_the_side_that_has_room():
+    # the prefill worker's half would queue behind the same prompts, on the same core; the decode
+    # worker's half would add to the full batch it runs
+    spill = [spill_record("p", prefill_s=1e-4, decode_s=1e-3),  # free on its report, yet its queue is the pair's
+             spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)]
+    prompts_queue = spill_fleet(prefill_outstanding=2000, spill=spill)
+    assert prompts_queue.saturated_sides(100, 200) == {"prefill"}
+    assert prompts_queue.pick_spill(100, 200).worker_id == "d"
+    batch_full = spill_fleet(decode_running=32, spill=spill)
+    assert batch_full.saturated_sides(100, 200) == {"decode"}
+    assert batch_full.pick_spill(100, 200).worker_id == "p"
+    assert spill_fleet(prefill_outstanding=2000, spill=[spill[0]]).pick_spill(100, 200) is None
 
 
 def test_decode_tokens_are_priced_alike_on_every_spill_only_worker():
