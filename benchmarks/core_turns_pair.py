@@ -45,7 +45,7 @@ def worker(kind: str, cores: list[int], turns_dir: str, dtype: str, seconds: flo
 
     runner = ModelRunner(load_engine_model(resolve_model_path("default:small"), dtype, "cpu"))
     runner.warm_up()
-    turns = core_turns(turns_dir, priority=kind == "prefill")
+    turns = core_turns(turns_dir)
     prompt, kv = list(range(10, 10 + PROMPT_TOKENS)), runner.new_kv_buffer(PROMPT_TOKENS)
     step = decode_batch(runner, DECODE_BATCH, DECODE_CONTEXT)
     results.put("ready")

@@ -7,6 +7,7 @@
 #   bash benchmarks/peer/compare.sh benchmarks/results/peer "float32 bfloat16" "4 inf"
 #   VARIANTS="distserve distserve-turns" bash benchmarks/peer/compare.sh ...  # also with --take-turns
 #   VARIANTS="distserve distserve-nospill" bash benchmarks/peer/compare.sh ...  # also with --no-spill
+#   VARIANTS="distserve distserve-mark512" bash benchmarks/peer/compare.sh ...  # also spilling past 512 prompt tokens
 #   ROUNDS=3 bash benchmarks/peer/compare.sh ...  # 3 rounds, OUT_DIR/round1.., order alternating per round
 #
 # Needs the peer venv (bash ../shared/peer-bench/setup.sh) and this project's .venv. Writes one
@@ -55,15 +56,17 @@ run_vllm() {  # DTYPE
 
 run_ours() {  # DTYPE
   # distserve: `up`'s defaults (one core per worker, spilling); -spill: the same, named so (runs before
-  # spilling was the default); -nospill: --no-spill; -turns: --take-turns (and --no-spill, which it needs)
+  # spilling was the default); -nospill: --no-spill; -turns: --take-turns (and --no-spill, which it needs);
+  # -markN: the router's prefill spill mark at N prompt tokens (default 1024)
   for system in ${VARIANTS:-distserve}; do
-    variant=()
+    variant=(); mark=()
     case "$system" in
       distserve-turns) variant=(--take-turns --no-spill) ;;
       distserve-nospill) variant=(--no-spill) ;;
       distserve-spill) variant=(--spill) ;;
+      distserve-mark*) mark=("DISTSERVE_ROUTER_SPILL_PREFILL_TOKENS=${system#distserve-mark}") ;;
     esac
-    setsid .venv/bin/distserve up --model default:small --dtype "$1" --prefill 1 --decode 1 "${variant[@]}" \
+    env "${mark[@]}" setsid .venv/bin/distserve up --model default:small --dtype "$1" --prefill 1 --decode 1 "${variant[@]}" \
       --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system-$1" >"$LOGS/up-$system-$1.log" 2>&1 &
     pid=$!
     wait_health http://127.0.0.1:8000 "$pid"

@@ -7,12 +7,14 @@ registry entry may outlive it by up to one lease).
 
 Spilling: a prefill or decode worker started with also_colocated registers a second, spill-only
 colocated record. Those take whole requests only while the prefill/decode pairs are saturated (a
-prompt queue or a decode batch past distserve.spill_policy's marks), and only on the side that is not:
-a prefill worker's half shares that worker's prompt queue and core, so while prompts queue it could
-only take a request to the back of the same queue and then slow that queue with its decoding (a
-decode worker's half, likewise, while the decode batch is full). Of those, the one expected to be
-free first: its queued prompt tokens times what a prompt token costs it, and its decode tokens left
-times the cheapest cost per decoded token any spill-only worker measured (`busy_seconds`). At
+prompt queue or a decode batch past distserve.spill_policy's marks). Each goes to the worker expected
+to be free first: its queued prompt tokens times what a prompt token costs it, and its decode tokens
+left times the cheapest cost per decoded token any spill-only worker measured (`busy_seconds`). Past
+one side's mark only, that is a half of the other side, and only one freer than the saturated side's
+halves: a prefill worker's half shares that worker's prompt queue and core, so while prompts queue
+it could only take a request to the back of the same queue and then slow that queue with its
+decoding (a decode worker's half, likewise, while the decode batch is full); and a decode worker's
+half busier than the prompt queue would only stall its own decode batch for no earlier first token. At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """
@@ -114,12 +116,18 @@ class WorkerPicker:
         """The spill-only colocated worker to take a whole request (num_tokens of KV, prompt_tokens of
         them prompt), or None: none can hold it, or the pairs are not saturated (module docstring)."""
         saturated = self.saturated_sides(prompt_tokens, num_tokens)
-        spill = [w for w in self._colocated_fitting(num_tokens, spill_only=True)
-                 if saturated and (len(saturated) > 1 or self._pair_role(w) not in saturated)]
-        if not spill:
+        spill = self._colocated_fitting(num_tokens, spill_only=True)
+        if not saturated or not spill:
             return None
         busy = self.busy_seconds(spill)
-        return min(spill, key=lambda w: busy[w.worker_id])
+        if len(saturated) > 1:
+            return min(spill, key=lambda w: busy[w.worker_id])
+        side = next(iter(saturated))
+        best = min((w for w in spill if self._pair_role(w) != side), key=lambda w: busy[w.worker_id], default=None)
+        own = [busy[w.worker_id] for w in spill if self._pair_role(w) == side]
+        if best is None or (own and busy[best.worker_id] >= min(own)):
+            return None  # the other side is no freer: the pair's own queue serves it as soon
+        return best
 
     def _pair_role(self, spill_record: WorkerRecord) -> str:
         """The role of the worker a spill-only record belongs to (the two records share a worker id)."""

@@ -142,18 +142,22 @@ def test_spill_goes_to_the_worker_expected_to_be_free_first():
         assert picker.pick_spill(100, 200).worker_id == "d"
 
 
-def test_spill_goes_only_to_the_half_of_the_side_that_has_room():
+def test_past_one_mark_spill_goes_to_the_other_side_only_while_it_is_freer():
     # the prefill worker's half would queue behind the same prompts, on the same core; the decode
     # worker's half would add to the full batch it runs
-    spill = [spill_record("p", prefill_s=1e-4, decode_s=1e-3),  # free on its report, yet its queue is the pair's
-             spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)]
-    prompts_queue = spill_fleet(prefill_outstanding=2000, spill=spill)
+    p = spill_record("p", outstanding=2000, prefill_s=1e-4, decode_s=1e-3)  # 0.2 s of prompts
+    free_d = spill_record("d", decode_left=100, prefill_s=1e-4, decode_s=1e-3)  # 0.1 s of decoding
+    busy_d = spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)  # 0.6 s
+    prompts_queue = spill_fleet(prefill_outstanding=2000, spill=[p, free_d])
     assert prompts_queue.saturated_sides(100, 200) == {"prefill"}
     assert prompts_queue.pick_spill(100, 200).worker_id == "d"
-    batch_full = spill_fleet(decode_running=32, spill=spill)
+    assert spill_fleet(prefill_outstanding=2000, spill=[p, busy_d]).pick_spill(100, 200) is None  # no earlier token
+    assert spill_fleet(prefill_outstanding=2000, spill=[p]).pick_spill(100, 200) is None
+    idle_p = spill_record("p", prefill_s=1e-4, decode_s=1e-3)
+    batch_full = spill_fleet(decode_running=32, spill=[idle_p, busy_d])
     assert batch_full.saturated_sides(100, 200) == {"decode"}
     assert batch_full.pick_spill(100, 200).worker_id == "p"
-    assert spill_fleet(prefill_outstanding=2000, spill=[spill[0]]).pick_spill(100, 200) is None
+    assert spill_fleet(decode_running=32, spill=[busy_d]).pick_spill(100, 200) is None
 
 
 def test_decode_tokens_are_priced_alike_on_every_spill_only_worker():
