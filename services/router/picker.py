@@ -10,11 +10,11 @@ colocated record. Those take whole requests only while the prefill/decode pairs 
 prompt queue or a decode batch past distserve.spill_policy's marks). Each goes to the worker expected
 to be free first: its queued prompt tokens times what a prompt token costs it, and its decode tokens
 left times the cheapest cost per decoded token any spill-only worker measured (`busy_seconds`). Past
-one side's mark only, that is a half of the other side, and only one freer than the saturated side's
-halves: a prefill worker's half shares that worker's prompt queue and core, so while prompts queue
-it could only take a request to the back of the same queue and then slow that queue with its
-decoding (a decode worker's half, likewise, while the decode batch is full); and a decode worker's
-half busier than the prompt queue would only stall its own decode batch for no earlier first token. At
+one side's mark only, that is a half of the other side: a prefill worker's half shares that worker's
+prompt queue and core, so while prompts queue it could only take a request to the back of the same
+queue and then slow that queue with its decoding (a decode worker's half, likewise, while the decode
+batch is full). A decode worker's half takes one spilled prompt at a time: each is a fused step as
+long as a whole prefill, which stalls its decode batch. At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """
@@ -123,11 +123,15 @@ class WorkerPicker:
         if len(saturated) > 1:
             return min(spill, key=lambda w: busy[w.worker_id])
         side = next(iter(saturated))
-        best = min((w for w in spill if self._pair_role(w) != side), key=lambda w: busy[w.worker_id], default=None)
-        own = [busy[w.worker_id] for w in spill if self._pair_role(w) == side]
-        if best is None or (own and busy[best.worker_id] >= min(own)):
-            return None  # the other side is no freer: the pair's own queue serves it as soon
-        return best
+        # past the prompt mark, a decode worker's half takes one prompt at a time: each is a long fused
+        # step that stalls its decode batch, and back to back they stalled it for seconds
+        others = [w for w in spill if self._pair_role(w) != side
+                  and not (side == "prefill" and self._prompt_tokens_outstanding(w))]
+        return min(others, key=lambda w: busy[w.worker_id], default=None)
+
+    def _prompt_tokens_outstanding(self, w: WorkerRecord) -> float:
+        """A worker's queued prompt tokens: its report or this router's in-flight count, whichever is more."""
+        return max(w.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[w.worker_id])
 
     def _pair_role(self, spill_record: WorkerRecord) -> str:
         """The role of the worker a spill-only record belongs to (the two records share a worker id)."""
@@ -186,7 +190,7 @@ class WorkerPicker:
         busy = {}
         for w in workers:
             # max: the router's own count covers requests sent since the last report, a report other routers'
-            prompt = max(w.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[w.worker_id])
+            prompt = self._prompt_tokens_outstanding(w)
             decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
             busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_price
         return busy

@@ -142,22 +142,32 @@ def test_spill_goes_to_the_worker_expected_to_be_free_first():
         assert picker.pick_spill(100, 200).worker_id == "d"
 
 
-def test_past_one_mark_spill_goes_to_the_other_side_only_while_it_is_freer():
+def test_past_one_mark_spill_goes_to_a_half_of_the_other_side():
     # the prefill worker's half would queue behind the same prompts, on the same core; the decode
     # worker's half would add to the full batch it runs
     p = spill_record("p", outstanding=2000, prefill_s=1e-4, decode_s=1e-3)  # 0.2 s of prompts
-    free_d = spill_record("d", decode_left=100, prefill_s=1e-4, decode_s=1e-3)  # 0.1 s of decoding
-    busy_d = spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)  # 0.6 s
-    prompts_queue = spill_fleet(prefill_outstanding=2000, spill=[p, free_d])
+    d = spill_record("d", decode_left=600, prefill_s=1e-4, decode_s=1e-3)  # 0.6 s of decoding
+    prompts_queue = spill_fleet(prefill_outstanding=2000, spill=[p, d])
     assert prompts_queue.saturated_sides(100, 200) == {"prefill"}
     assert prompts_queue.pick_spill(100, 200).worker_id == "d"
-    assert spill_fleet(prefill_outstanding=2000, spill=[p, busy_d]).pick_spill(100, 200) is None  # no earlier token
     assert spill_fleet(prefill_outstanding=2000, spill=[p]).pick_spill(100, 200) is None
     idle_p = spill_record("p", prefill_s=1e-4, decode_s=1e-3)
-    batch_full = spill_fleet(decode_running=32, spill=[idle_p, busy_d])
+    batch_full = spill_fleet(decode_running=32, spill=[idle_p, d])
     assert batch_full.saturated_sides(100, 200) == {"decode"}
     assert batch_full.pick_spill(100, 200).worker_id == "p"
-    assert spill_fleet(decode_running=32, spill=[busy_d]).pick_spill(100, 200) is None
+    assert spill_fleet(decode_running=32, spill=[d]).pick_spill(100, 200) is None
+
+
+def test_past_the_prompt_mark_a_decode_workers_half_takes_one_prompt_at_a_time():
+    d = spill_record("d", decode_left=100, prefill_s=1e-4, decode_s=1e-3)
+    picker = spill_fleet(prefill_outstanding=2000, spill=[spill_record("p", outstanding=2000), d])
+    with picker.track_prompt(d, 256):  # a spilled prompt not prefilled yet
+        assert picker.pick_spill(100, 200) is None
+    assert picker.pick_spill(100, 200).worker_id == "d"
+    reported = spill_record("d", outstanding=256, decode_left=100, prefill_s=1e-4, decode_s=1e-3)
+    assert spill_fleet(prefill_outstanding=2000, spill=[reported]).pick_spill(100, 200) is None
+    both = spill_fleet(prefill_outstanding=2000, decode_running=32, spill=[reported])
+    assert both.pick_spill(100, 200).worker_id == "d"  # past both marks: the one free first, as ever
 
 
 def test_decode_tokens_are_priced_alike_on_every_spill_only_worker():
