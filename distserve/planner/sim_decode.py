@@ -134,8 +134,8 @@ class ColocatedSim:
     def _start_step(self) -> None:
         while self._waiting and self._running.size < self.max_running:
             self._running.add(self._waiting.popleft())
-        # decoding rows go first; prompts get what is left of the budget (PrefillBatcher.take_batch)
-        chunks = take_prefill_batch(self._prompts, max(self.max_batch_tokens - self._running.size, 0))
+        # decoding rows go first and ride on top of the prompts' budget (ColocatedEngine.run)
+        chunks = take_prefill_batch(self._prompts, self.max_batch_tokens)
         self._is_busy = bool(chunks) or self._running.size > 0
         if self._is_busy:
             tokens = sum(n for _, n in chunks)

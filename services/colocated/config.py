@@ -27,8 +27,8 @@ class ColocatedConfig(TlsConfig):
     serving_cpus: str = setting("", "cores for the serving threads (event loop, gRPC, KV transfers), e.g. 0-1; "
                                     "forwards stay on cpus (empty: the same cores as cpus)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
-    max_batch_tokens: int = setting(0, "token budget of one step: decoding sequences (one row each) plus prompt "
-                                       "chunks (0: auto, the engine's measured saturation length for the device)")
+    max_batch_tokens: int = setting(0, "prompt tokens of one step, the decoding sequences' rows (one each) on top "
+                                       "(0: auto, the engine's measured saturation length for the device)")
     block_size: int = setting(16, "tokens per KV block")
     kv_cache_mb: int = setting(1024, "memory for the paged KV cache, in MiB")
     max_running: int = setting(64, "most sequences decoding at once")
@@ -52,8 +52,6 @@ class ColocatedConfig(TlsConfig):
         require(self.block_size > 0, "block_size", "must be > 0")
         require(self.kv_cache_mb > 0, "kv_cache_mb", "must be > 0")
         require(self.max_running > 0, "max_running", "must be > 0")
-        require(self.max_batch_tokens == 0 or self.max_batch_tokens > self.max_running, "max_batch_tokens",
-                f"must exceed max_running ({self.max_running}), or no prompt could be prefilled beside a full batch")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")
 
     @property

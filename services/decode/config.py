@@ -44,8 +44,8 @@ class DecodeConfig(TlsConfig):
     also_colocated: bool = setting(False, "also serve whole requests (ColocatedService), prefilled here in the decode "
                                           "steps; the router sends them only while the prefill/decode pairs are "
                                           "saturated")
-    max_batch_tokens: int = setting(0, "with also_colocated: token budget of one step, decoding sequences plus "
-                                       "prompt chunks (0: auto, the engine's measured saturation length)")
+    max_batch_tokens: int = setting(0, "with also_colocated: prompt tokens of one step, the decoding sequences' "
+                                       "rows on top (0: auto, the engine's measured saturation length)")
     heartbeat_s: float = setting(1.0, "registry heartbeat interval")
     lease_s: float = setting(3.0, "registry lease: the worker vanishes this long after its last heartbeat")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")

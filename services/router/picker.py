@@ -13,8 +13,9 @@ left times the cheapest cost per decoded token any spill-only worker measured (`
 one side's mark only, that is a half of the other side: a prefill worker's half shares that worker's
 prompt queue and core, so while prompts queue it could only take a request to the back of the same
 queue and then slow that queue with its decoding (a decode worker's half, likewise, while the decode
-batch is full). A decode worker's half takes one spilled prompt at a time: each is a fused step as
-long as a whole prefill, which stalls its decode batch. At
+batch is full). A decode worker's half queues one spilled prompt, or more only while they come to
+at most a quarter of the pair's queue: each is a fused step as long as a whole prefill, which stalls
+its decode batch. At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 # launcher's control placement reads it: distserve.control_placement).
 SPILL_ANNOUNCE_S = 0.25
 SPILL_HOLD_S = 1.0
+# Past the prompt mark, a decode worker's half queues one spilled prompt, or more while they come to at
+# most this share of the pair's queued prompt tokens (picker._takes_another_prompt).
+DECODE_HALF_PROMPT_SHARE = 0.25
 
 
 class WorkerPicker:
@@ -123,11 +127,18 @@ class WorkerPicker:
         if len(saturated) > 1:
             return min(spill, key=lambda w: busy[w.worker_id])
         side = next(iter(saturated))
-        # past the prompt mark, a decode worker's half takes one prompt at a time: each is a long fused
-        # step that stalls its decode batch, and back to back they stalled it for seconds
         others = [w for w in spill if self._pair_role(w) != side
-                  and not (side == "prefill" and self._prompt_tokens_outstanding(w))]
+                  and (side != "prefill" or self._takes_another_prompt(w, prompt_tokens))]
         return min(others, key=lambda w: busy[w.worker_id], default=None)
+
+    def _takes_another_prompt(self, decode_half: WorkerRecord, prompt_tokens: int) -> bool:
+        """Past the prompt mark, whether a decode worker's half queues this prompt too: one prompt, or
+        up to DECODE_HALF_PROMPT_SHARE of what the pair has queued. Each spilled prompt is a fused step
+        as long as a whole prefill that stalls the decode batch there; at 4 req/s a burst's prompts
+        back to back stalled it for seconds, while under a long burst both cores should prefill."""
+        queued_here = self._prompt_tokens_outstanding(decode_half)
+        pair_queued = min((self._prompt_tokens_outstanding(w) for w in self.workers("prefill")), default=0)
+        return not queued_here or queued_here + prompt_tokens <= pair_queued * DECODE_HALF_PROMPT_SHARE
 
     def _prompt_tokens_outstanding(self, w: WorkerRecord) -> float:
         """A worker's queued prompt tokens: its report or this router's in-flight count, whichever is more."""

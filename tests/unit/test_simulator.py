@@ -131,13 +131,13 @@ def test_colocated_prefill_shares_steps_with_decode_rows():
     assert result.tpot_s == pytest.approx(sum(decode) / 4)
 
 
-def test_colocated_decode_rows_use_the_token_budget():
-    """Budget 100 with one sequence decoding: a new 150-token prompt gets 99 tokens, then 51."""
+def test_colocated_decode_rows_ride_on_top_of_the_token_budget():
+    """Budget 100 with one sequence decoding: a new 150-token prompt gets 100 tokens, then 50."""
     profile = toy_profile(coeffs=(0.0, 1.0, 0.0, 0.0), max_batch_tokens=100)
     requests = [Request(0.0, 10, 100), Request(10.0, 150, 2)]
     result = simulate(fleet("colocated", profile=profile), requests).results[1]
-    # the first prompt's step ends at 10 s; then 1 decode row + 99 prompt tokens = 100 s; then 1 + 51 = 52 s
-    assert result.ttft_s == pytest.approx(152.0)
+    # the first prompt's step ends at 10 s; then 1 decode row + 100 prompt tokens = 101 s; then 1 + 50 = 51 s
+    assert result.ttft_s == pytest.approx(162.0)
 
 
 def test_router_balances_prefill_by_outstanding_tokens():
