@@ -180,7 +180,7 @@ class WorkerPicker:
             return frozenset({"decode"})
         # max, not sum: a report and this router's in-flight count mostly cover the same requests, and
         # counting them twice would spill at half the marks
-        queued = max(prefill.load.get("outstanding_tokens", 0), self._inflight_prompt_tokens[prefill.worker_id])
+        queued = self._prompt_tokens_outstanding(prefill)
         running = max(decode.load.get("num_running", 0) + decode.load.get("num_waiting", 0),
                       self._inflight_streams[decode.worker_id])
         return self._spill.saturated_sides(queued, running)
