@@ -132,12 +132,13 @@ def test_colocated_prefill_shares_steps_with_decode_rows():
 
 
 def test_colocated_decode_rows_ride_on_top_of_the_token_budget():
-    """Budget 100 with one sequence decoding: a new 150-token prompt gets 100 tokens, then 50."""
+    """Budget 100 with one sequence decoding: a new 100-token prompt is one step, not 99 tokens then 1."""
     profile = toy_profile(coeffs=(0.0, 1.0, 0.0, 0.0), max_batch_tokens=100)
-    requests = [Request(0.0, 10, 100), Request(10.0, 150, 2)]
+    requests = [Request(0.0, 10, 100), Request(10.0, 100, 2)]
     result = simulate(fleet("colocated", profile=profile), requests).results[1]
-    # the first prompt's step ends at 10 s; then 1 decode row + 100 prompt tokens = 101 s; then 1 + 50 = 51 s
-    assert result.ttft_s == pytest.approx(162.0)
+    # it arrives as the first prompt's step ends (10 s); one step of 1 decode row + 100 prompt tokens = 101 s;
+    # a budget that counted the row would take 1 + 99 then 1 + 1 tokens: 102 s
+    assert result.ttft_s == pytest.approx(101.0)
 
 
 def test_router_balances_prefill_by_outstanding_tokens():
