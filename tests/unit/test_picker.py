@@ -167,9 +167,21 @@ def test_past_the_prompt_mark_a_decode_workers_half_queues_one_prompt_at_a_time_
     reported = spill_record("d", outstanding=1024, decode_left=100, prefill_s=1e-4, decode_s=1e-3)
     assert spill_fleet(prefill_outstanding=4095, spill=[reported]).pick_spill(256, 512) is None
     long_burst = spill_fleet(prefill_outstanding=4096, spill=[spill_record("p", outstanding=4096), reported])
-    assert long_burst.pick_spill(256, 512).worker_id == "d"  # 4x the mark: still not the prefill worker's half
+    assert long_burst.pick_spill(256, 512).worker_id == "d"  # a burst: still not the prefill worker's half
     both = spill_fleet(prefill_outstanding=2000, decode_running=32, spill=[reported])
     assert both.pick_spill(256, 512).worker_id == "d"  # past both marks: the one free first, as ever
+
+
+def test_the_burst_length_is_its_own_figure_not_a_multiple_of_the_prompt_mark():
+    reported = spill_record("d", outstanding=256, decode_left=100, prefill_s=1e-4, decode_s=1e-3)
+    low_mark = SpillPolicy(prefill_tokens=256, decode_running=32, burst_tokens=4096)
+    short = spill_fleet(prefill_outstanding=1024, policy=low_mark, spill=[spill_record("p", outstanding=1024), reported])
+    assert short.saturated_sides(256, 512) == {"prefill"}
+    assert short.pick_spill(256, 512) is None  # 4x the mark, but short of the burst: one spilled prompt at a time
+    burst = spill_fleet(prefill_outstanding=4096, policy=low_mark, spill=[reported])
+    assert burst.pick_spill(256, 512).worker_id == "d"
+    never = spill_fleet(prefill_outstanding=10**6, policy=SpillPolicy(256, 32, burst_tokens=0), spill=[reported])
+    assert never.pick_spill(256, 512) is None
 
 
 def test_decode_tokens_are_priced_alike_on_every_spill_only_worker():
