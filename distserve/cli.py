@@ -40,6 +40,10 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers get every core, decode workers their share, and one forward runs at "
                              "a time, in turn: lower TTFT at light bf16 load, decode stalls while prefill is "
                              "busy (measured trade: README, Side by side)")
+    parser.add_argument("--lend-cores", action="store_true",
+                        help="prefill workers get every core, decode workers their share, and decode steps run at "
+                             "a lower CPU priority, so a prefill forward takes the decode cores while it runs: "
+                             "prompts on every core, decode in what they leave (measured trade: README, Side by side)")
     parser.add_argument("--spill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill and decode workers also serve whole requests, prefilled and decoded in one "
                              "worker, which the router sends them only while the prefill/decode pairs are "
@@ -86,11 +90,17 @@ def _spec(args) -> ClusterSpec:
     if args.spill and args.take_turns:
         raise ConfigError("spill: cannot be combined with --take-turns (a spilling worker's loop takes no turns); "
                           "add --no-spill")
+    if args.spill and args.lend_cores:
+        raise ConfigError("spill: cannot be combined with --lend-cores (a prompt spilled to a decode worker would run "
+                          "at its lowered priority, behind every prefill forward); add --no-spill")
+    if args.take_turns and args.lend_cores:
+        raise ConfigError("lend_cores: cannot be combined with --take-turns (pick one way to share the cores)")
     return ClusterSpec(model=resolve_model_path(args.model), num_prefill=num_prefill, num_decode=num_decode,
                        num_colocated=args.colocated,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
-                       cpus=args.cpus, share_cores=args.share_cores, take_turns=args.take_turns, spill=args.spill,
+                       cpus=args.cpus, share_cores=args.share_cores, take_turns=args.take_turns,
+                       lend_cores=args.lend_cores, spill=args.spill,
                        control_cpus=args.control_cpus,
                        tls=make_dev_certs(args.tls_dir) if args.tls_dir else PLAINTEXT,
                        env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device})
@@ -104,7 +114,8 @@ def _absolute_if_file(value: str) -> str:
 
 def _print_cores(cluster: Cluster) -> None:
     control = f", control plane -> {cluster.control_cpus}" if cluster.control_cpus is not None else ""
-    turns = " (prefill and decode take turns)" if cluster.spec.take_turns else ""
+    turns = (" (prefill and decode take turns)" if cluster.spec.take_turns else
+             " (decode lends its cores to prefill forwards)" if cluster.spec.lend_cores else "")
     print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control + turns,
           flush=True)
 

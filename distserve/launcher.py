@@ -96,6 +96,10 @@ WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESH
 # measured) after its process's forward before it sleeps, on the cores the other worker's turn now has.
 # 10k spins (~0.4 ms) still bridge the gaps between one forward's parallel loops.
 TURNS_OPENMP_ENV = {"GOMP_SPINCOUNT": "10000"}
+# Decode workers on cores lent to prefill (--lend-cores): nice 10 weighs 110 against a normal thread's 1024
+# (the kernel's CFS weights), so a prefill forward that wants the core gets ~90% of it, and decode runs
+# in what is left (distserve.cpus.lower_priority); measured under Engine, "Cores".
+LENT_CORES_DECODE_NICE = 10
 
 
 @dataclasses.dataclass
@@ -127,6 +131,9 @@ class ClusterSpec:
     # True: prefill workers get all of `cpus`, decode workers their split share, and one forward runs at a
     # time, in turn (distserve.engine.core_turns)
     take_turns: bool = False
+    # True: prefill workers get all of `cpus`, decode workers their split share, and decode steps run at a
+    # lower CPU priority (LENT_CORES_DECODE_NICE): a prefill forward preempts them on the cores it borrows
+    lend_cores: bool = False
     # True: prefill and decode workers also serve whole requests (also_colocated), which the router sends
     # them while the pairs are saturated (services.router.picker: spilling)
     spill: bool = False
@@ -184,7 +191,7 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
     if spec.share_cores:
         return {name: available for name in names}
     split = dict(zip(names, split_cores(available, spec.num_prefill, spec.num_decode, spec.num_colocated)))
-    if spec.take_turns:  # prefill takes every core in its turn; decode keeps its share, and pauses meanwhile
+    if spec.take_turns or spec.lend_cores:  # prefill may use every core; decode keeps its share, and yields
         split.update({name: available for name in names if name.startswith("prefill-")})
     return split
 
@@ -353,6 +360,8 @@ class Cluster:
             env.update(_unless_set(WORKER_MALLOC_ENV))
         if self.spec.spill and module in ("services.prefill", "services.decode"):
             argv += ["--also-colocated", "true"]
+        if self.spec.lend_cores and module == "services.decode":
+            argv += ["--nice", str(LENT_CORES_DECODE_NICE)]
         if self.spec.take_turns and module in ("services.prefill", "services.decode"):
             argv += ["--core-turns", str(self.log_dir / "core-turns")]
             env.update(_unless_set(TURNS_OPENMP_ENV))

@@ -6,6 +6,7 @@
 #   bash benchmarks/peer/compare.sh [OUT_DIR] [DTYPES] [RATES]
 #   bash benchmarks/peer/compare.sh benchmarks/results/peer "float32 bfloat16" "4 inf"
 #   VARIANTS="distserve distserve-turns" bash benchmarks/peer/compare.sh ...  # also with --take-turns
+#   VARIANTS="distserve distserve-lend" bash benchmarks/peer/compare.sh ...  # also with --lend-cores
 #   VARIANTS="distserve distserve-nospill" bash benchmarks/peer/compare.sh ...  # also with --no-spill
 #   VARIANTS="distserve distserve-mark512" bash benchmarks/peer/compare.sh ...  # also spilling past 512 prompt tokens
 #   ROUNDS=3 bash benchmarks/peer/compare.sh ...  # 3 rounds, OUT_DIR/round1.., order alternating per round
@@ -57,11 +58,13 @@ run_vllm() {  # DTYPE
 run_ours() {  # DTYPE
   # distserve: `up`'s defaults (one core per worker, spilling); -spill: the same, named so (runs before
   # spilling was the default); -nospill: --no-spill; -turns: --take-turns (and --no-spill, which it needs);
-  # -markN: the router's prefill spill mark at N prompt tokens (default 1024)
+  # -lend: --lend-cores (and --no-spill);
+  # -markN: the router's prefill spill mark at N prompt tokens (default 256)
   for system in ${VARIANTS:-distserve}; do
     variant=(); mark=()
     case "$system" in
       distserve-turns) variant=(--take-turns --no-spill) ;;
+      distserve-lend) variant=(--lend-cores --no-spill) ;;
       distserve-nospill) variant=(--no-spill) ;;
       distserve-spill) variant=(--spill) ;;
       distserve-mark*) mark=("DISTSERVE_ROUTER_SPILL_PREFILL_TOKENS=${system#distserve-mark}") ;;

@@ -5,7 +5,8 @@ OpenMP (torch's CPU thread pool) keeps one team of threads per calling thread: f
 several threads start several teams, and the idle workers of one spin on the cores the next
 forward's team needs. One thread per engine keeps one team, and the step's thread-local state warm.
 The thread carries its name into the OS (ps, top, /proc/<pid>/task/*/comm) and keeps to the worker's
-cores when the worker serves from other ones (distserve.cpus.pin_compute_thread).
+cores when the worker serves from other ones (distserve.cpus.pin_compute_thread); on several cores it
+binds its OpenMP team one thread per core (distserve.cpus.bind_openmp_team).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from distserve.cpus import pin_compute_thread
+from distserve.cpus import bind_openmp_team, pin_compute_thread
 
 T = TypeVar("T")
 _PR_SET_NAME = 15
@@ -36,6 +37,7 @@ def _name_os_thread(name: str) -> None:
 def _start_compute_thread(name: str) -> None:
     _name_os_thread(name)
     pin_compute_thread()
+    bind_openmp_team()
 
 
 class ComputeThread:

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from distserve import redis_client
 from distserve.broker_client import BrokerClient
 from distserve.config import parse_config
-from distserve.cpus import apply_cpus
+from distserve.cpus import apply_cpus, lower_priority
 from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.core_turns import core_turns
 from distserve.engine.dtype import resolve_dtype
@@ -127,8 +127,9 @@ async def serve(config: DecodeConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("decode")
-    init_tracing("distserve-decode")
     config = parse_config(DecodeConfig, argv, prefix="DISTSERVE_DECODE_")
+    lower_priority(config.nice)  # before the threads start: they inherit it
+    init_tracing("distserve-decode")
     apply_cpus(config.cpus, config.serving_cpus)  # before torch does parallel work
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
     asyncio.run(serve(config))

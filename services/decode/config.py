@@ -28,6 +28,8 @@ class DecodeConfig(TlsConfig):
                                     "forwards stay on cpus (empty: the same cores as cpus)")
     core_turns: str = setting("", "directory of the compute turns of the workers sharing these cores: each forward "
                                   "waits for its turn, turns alternate (empty: no turns, the cores are its own)")
+    nice: int = setting(0, "lower this worker's CPU priority by this much (0-19): on cores lent to prefill "
+                           "workers' forwards, theirs preempt its steps (distserve up --lend-cores)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
     block_size: int = setting(16, "tokens per KV block")
@@ -66,6 +68,7 @@ class DecodeConfig(TlsConfig):
         require(self.max_running > 0, "max_running", "must be > 0")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")
         require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
+        require(0 <= self.nice <= 19, "nice", f"must be in [0, 19], got {self.nice}")
         require(not (self.also_colocated and self.core_turns), "also_colocated",
                 "cannot be combined with core_turns (the colocated loop does not take turns)")
 

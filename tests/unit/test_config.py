@@ -115,6 +115,8 @@ def test_parse_config_validates_the_result():
     (DecodeConfig, {"block_size": 0}, "block_size"),
     (DecodeConfig, {"kv_cache_mb": 0}, "kv_cache_mb"),
     (DecodeConfig, {"max_running": 0}, "max_running"),
+    (DecodeConfig, {"nice": 20}, "nice"),
+    (DecodeConfig, {"nice": -1}, "nice"),
     (DecodeConfig, {"heartbeat_s": 5.0}, "heartbeat_s"),
     (KvBrokerConfig, {"port": 100000}, "port"),
     (KvBrokerConfig, {"default_lease_s": 0.0}, "default_lease_s"),

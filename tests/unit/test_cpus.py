@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from distserve import cpus as cpus_module
 from distserve.config import ConfigError, parse_config
-from distserve.cpus import apply_cpus, format_cpu_list, parse_cpu_list, pin_process, split_cores
+from distserve.cpus import apply_cpus, bind_openmp_team, format_cpu_list, parse_cpu_list, pin_process, split_cores
 from distserve.engine.compute_thread import ComputeThread
-from distserve.launcher import Cluster, ClusterSpec, plan_control_cpus, plan_worker_cpus
+from distserve.launcher import LENT_CORES_DECODE_NICE, Cluster, ClusterSpec, plan_control_cpus, plan_worker_cpus
 from services.colocated.config import ColocatedConfig
 from services.decode.config import DecodeConfig
 from services.prefill.config import PrefillConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("text, cpus", [
@@ -83,6 +88,34 @@ def test_taking_turns_gives_prefill_every_core_and_decode_its_share(monkeypatch)
     assert plan_worker_cpus(two) == {"prefill-0": [0, 1], "decode-0": [1]}
     four = ClusterSpec(model="m", num_prefill=1, num_decode=2, cpus="0-3", take_turns=True)
     assert plan_worker_cpus(four) == {"prefill-0": [0, 1, 2, 3], "decode-0": [2], "decode-1": [3]}
+
+
+def test_lending_cores_gives_prefill_every_core_and_decode_its_share(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    two = ClusterSpec(model="m", num_prefill=1, num_decode=1, cpus="0-1", lend_cores=True)
+    assert plan_worker_cpus(two) == {"prefill-0": [0, 1], "decode-0": [1]}
+    four = ClusterSpec(model="m", num_prefill=2, num_decode=2, cpus="0-3", lend_cores=True)
+    assert plan_worker_cpus(four) == {"prefill-0": [0, 1, 2, 3], "prefill-1": [0, 1, 2, 3], "decode-0": [2],
+                                      "decode-1": [3]}
+
+
+def test_decode_workers_on_lent_cores_step_at_a_lower_priority_and_nothing_else_does(monkeypatch, tmp_path):
+    spawned = {}
+
+    def fake_spawn(self, name, argv, env=None):
+        spawned[name] = argv
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(Cluster, "_spawn", fake_spawn)
+    for lend_cores in (True, False):
+        spawned.clear()
+        cluster = Cluster(ClusterSpec(model="m", log_dir=str(tmp_path / str(lend_cores)), lend_cores=lend_cores))
+        for name, module in (("prefill-0", "services.prefill"), ("decode-0", "services.decode"),
+                             ("router", "services.router")):
+            cluster.start_service(name, module, "127.0.0.1:1", [], metrics_port=2)
+        niced = {name: argv[argv.index("--nice") + 1] for name, argv in spawned.items() if "--nice" in argv}
+        assert niced == ({"decode-0": str(LENT_CORES_DECODE_NICE)} if lend_cores else {})
+        assert not any("--core-turns" in argv for argv in spawned.values())  # no lock: the kernel decides
 
 
 def test_workers_taking_turns_share_one_turns_folder_and_spin_briefly(monkeypatch, tmp_path):
@@ -239,6 +272,66 @@ async def test_serving_threads_move_and_forwards_stay_on_the_workers_cores(resto
     assert await compute.run(_os_thread_name) == "test-forward"  # visible to ps / top
 
 
+def _team_affinities(name: str) -> dict[int, set[int]]:
+    """Affinity of each thread of this process named `name` (a forward thread and its OpenMP team)."""
+    return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")
+            if open(f"/proc/self/task/{t}/comm").read().strip() == name}
+
+
+async def test_a_forward_thread_on_several_cores_binds_its_openmp_team_one_thread_per_core(
+        restore_affinity_and_threads, monkeypatch):
+    monkeypatch.setattr(cpus_module, "_compute_cpus", None)
+    allowed = sorted(os.sched_getaffinity(0))
+    assert len(allowed) >= 2, f"needs two cores, has {allowed}"
+    apply_cpus(format_cpu_list(allowed[:2]))  # two cores, two torch threads
+    compute = ComputeThread("test-team")
+    forward_id = await compute.run(threading.get_native_id)
+    team = await compute.run(_team_affinities, "test-team")
+    assert team.pop(forward_id) == {allowed[0]}
+    assert list(team.values()) == [{allowed[1]}]  # its one OpenMP thread, on the other core
+    x = torch.randn(64, 64)
+    assert torch.equal(await compute.run(torch.mm, x, x), torch.mm(x, x))  # the bound team computes
+
+
+def test_a_forward_thread_on_one_core_starts_no_team(restore_affinity_and_threads, monkeypatch):
+    monkeypatch.setattr(cpus_module, "_compute_cpus", None)
+    apply_cpus(str(min(os.sched_getaffinity(0))))
+    assert bind_openmp_team() == [threading.get_native_id()]
+
+
+LOWER_PRIORITY_SCRIPT = """
+import json, os, threading
+from distserve.cpus import lower_priority
+def nice(tid): return os.getpriority(os.PRIO_PROCESS, tid)
+before = threading.Thread(target=lambda: stop.wait()); stop = threading.Event(); before.start()
+base = nice(0)
+lower_priority(5)
+seen = {}
+after = threading.Thread(target=lambda: seen.update(after=nice(threading.get_native_id()))); after.start(); after.join()
+seen.update(main=nice(0), before=nice(before.native_id), base=base)
+stop.set()
+if os.path.exists("/proc/self/autogroup"):
+    seen["group"] = int(open("/proc/self/autogroup").read().split()[-1])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_lower_priority_lowers_every_thread_and_its_own_sessions_group(own_session):
+    """In a process of its own session the session's group (a new one starts at nice 0) is lowered too,
+    where the kernel has autogroups; a process in its caller's session leaves the caller's group alone."""
+    group_path = "/proc/self/autogroup"
+    caller_group = open(group_path).read() if os.path.exists(group_path) else None
+    done = subprocess.run([sys.executable, "-c", LOWER_PRIORITY_SCRIPT], capture_output=True, text=True, timeout=60,
+                          start_new_session=own_session, cwd=REPO_ROOT, check=True)
+    seen = json.loads(done.stdout)
+    lowered = min(seen["base"] + 5, 19)
+    assert (seen["main"], seen["before"], seen["after"]) == (lowered, lowered, lowered)
+    if caller_group is not None:
+        assert seen["group"] == (5 if own_session else int(caller_group.split()[-1]))  # a new session's: nice 0
+        assert open(group_path).read() == caller_group
+
+
 async def test_without_serving_cores_forwards_run_where_the_worker_is_pinned(restore_affinity_and_threads,
                                                                             monkeypatch):
     monkeypatch.setattr(cpus_module, "_compute_cpus", None)
@@ -315,6 +408,19 @@ def test_up_spills_by_default_and_refuses_it_with_take_turns(tiny_model_path):
     with pytest.raises(ConfigError, match="^spill: "):
         cli._spec(parser.parse_args(["--model", tiny_model_path, "--take-turns"]))
     assert cli._spec(parser.parse_args(["--model", tiny_model_path, "--take-turns", "--no-spill"])).take_turns
+
+
+def test_up_lends_cores_only_without_spilling_or_turns(tiny_model_path):
+    from distserve import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_cluster_args(parser)
+    with pytest.raises(ConfigError, match="^spill: .*--lend-cores"):
+        cli._spec(parser.parse_args(["--model", tiny_model_path, "--lend-cores"]))
+    with pytest.raises(ConfigError, match="^lend_cores: "):
+        cli._spec(parser.parse_args(["--model", tiny_model_path, "--lend-cores", "--take-turns", "--no-spill"]))
+    spec = cli._spec(parser.parse_args(["--model", tiny_model_path, "--lend-cores", "--no-spill"]))
+    assert spec.lend_cores and not spec.take_turns and not spec.spill
 
 
 def test_control_plane_follows_spilling_only_when_auto_put_it_on_worker_cores(monkeypatch, tmp_path):
