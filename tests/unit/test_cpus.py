@@ -99,29 +99,9 @@ def test_lending_cores_gives_prefill_every_core_and_decode_its_share(monkeypatch
                                       "decode-1": [3]}
 
 
-def test_decode_workers_on_lent_cores_step_at_a_lower_priority_and_nothing_else_does(monkeypatch, tmp_path):
-    spawned = {}
-
-    def fake_spawn(self, name, argv, env=None):
-        spawned[name] = argv
-        return types.SimpleNamespace()
-
-    monkeypatch.setattr(Cluster, "_spawn", fake_spawn)
-    for lend_cores in (True, False):
-        spawned.clear()
-        cluster = Cluster(ClusterSpec(model="m", log_dir=str(tmp_path / str(lend_cores)), lend_cores=lend_cores))
-        for name, module in (("prefill-0", "services.prefill"), ("decode-0", "services.decode"),
-                             ("router", "services.router")):
-            cluster.start_service(name, module, "127.0.0.1:1", [], metrics_port=2)
-        niced = {name: argv[argv.index("--nice") + 1] for name, argv in spawned.items() if "--nice" in argv}
-        assert niced == ({"decode-0": str(LENT_CORES_DECODE_NICE)} if lend_cores else {})
-        assert not any("--core-turns" in argv for argv in spawned.values())  # no lock: the kernel decides
-
-
-def test_workers_taking_turns_share_one_turns_folder_and_spin_briefly(monkeypatch, tmp_path):
-    """Prefill and decode workers get the same --core-turns folder and a short OpenMP spin; the
-    router gets neither, and without --take-turns no worker does."""
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+def spawned_pair(monkeypatch, spec: ClusterSpec) -> tuple[Cluster, dict[str, tuple[list[str], dict[str, str]]]]:
+    """The argv and environment the launcher gives prefill-0, decode-0 and the router under `spec`
+    (nothing is started)."""
     spawned = {}
 
     def fake_spawn(self, name, argv, env=None):
@@ -129,12 +109,29 @@ def test_workers_taking_turns_share_one_turns_folder_and_spin_briefly(monkeypatc
         return types.SimpleNamespace()
 
     monkeypatch.setattr(Cluster, "_spawn", fake_spawn)
+    cluster = Cluster(spec)
+    for name, module in (("prefill-0", "services.prefill"), ("decode-0", "services.decode"),
+                         ("router", "services.router")):
+        cluster.start_service(name, module, "127.0.0.1:1", [], metrics_port=2)
+    return cluster, spawned
+
+
+def test_decode_workers_on_lent_cores_step_at_a_lower_priority_and_nothing_else_does(monkeypatch, tmp_path):
+    for lend_cores in (True, False):
+        spec = ClusterSpec(model="m", log_dir=str(tmp_path / str(lend_cores)), lend_cores=lend_cores)
+        _, spawned = spawned_pair(monkeypatch, spec)
+        niced = {name: argv[argv.index("--nice") + 1] for name, (argv, _) in spawned.items() if "--nice" in argv}
+        assert niced == ({"decode-0": str(LENT_CORES_DECODE_NICE)} if lend_cores else {})
+        assert not any("--core-turns" in argv for argv, _ in spawned.values())  # no lock: the kernel decides
+
+
+def test_workers_taking_turns_share_one_turns_folder_and_spin_briefly(monkeypatch, tmp_path):
+    """Prefill and decode workers get the same --core-turns folder and a short OpenMP spin; the
+    router gets neither, and without --take-turns no worker does."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     for take_turns in (True, False):
-        spawned.clear()
-        cluster = Cluster(ClusterSpec(model="m", log_dir=str(tmp_path / str(take_turns)), take_turns=take_turns))
-        for name, module in (("prefill-0", "services.prefill"), ("decode-0", "services.decode"),
-                             ("router", "services.router")):
-            cluster.start_service(name, module, "127.0.0.1:1", [], metrics_port=2)
+        spec = ClusterSpec(model="m", log_dir=str(tmp_path / str(take_turns)), take_turns=take_turns)
+        cluster, spawned = spawned_pair(monkeypatch, spec)
         folders = {name: argv[argv.index("--core-turns") + 1] for name, (argv, _) in spawned.items()
                    if "--core-turns" in argv}
         spins = {name: env["GOMP_SPINCOUNT"] for name, (_, env) in spawned.items() if "GOMP_SPINCOUNT" in env}
