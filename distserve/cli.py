@@ -41,9 +41,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                              "a time, in turn: lower TTFT at light bf16 load, decode stalls while prefill is "
                              "busy (measured trade: README, Side by side)")
     parser.add_argument("--lend-cores", action="store_true",
-                        help="prefill workers get every core, decode workers their share, and decode steps run at "
-                             "a lower CPU priority, so a prefill forward takes the decode cores while it runs: "
-                             "prompts on every core, decode in what they leave (measured trade: README, Side by side)")
+                        help="prefill and decode workers run on every core, decode at a lower CPU priority, so a "
+                             "prefill forward takes every core while it runs and decode steps use what it leaves "
+                             "(measured trade: README, Side by side)")
     parser.add_argument("--spill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill and decode workers also serve whole requests, prefilled and decoded in one "
                              "worker, which the router sends them only while the prefill/decode pairs are "
@@ -115,7 +115,7 @@ def _absolute_if_file(value: str) -> str:
 def _print_cores(cluster: Cluster) -> None:
     control = f", control plane -> {cluster.control_cpus}" if cluster.control_cpus is not None else ""
     turns = (" (prefill and decode take turns)" if cluster.spec.take_turns else
-             " (decode lends its cores to prefill forwards)" if cluster.spec.lend_cores else "")
+             " (decode at a lower priority: prefill forwards first)" if cluster.spec.lend_cores else "")
     print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control + turns,
           flush=True)
 

@@ -131,8 +131,8 @@ class ClusterSpec:
     # True: prefill workers get all of `cpus`, decode workers their split share, and one forward runs at a
     # time, in turn (distserve.engine.core_turns)
     take_turns: bool = False
-    # True: prefill workers get all of `cpus`, decode workers their split share, and decode steps run at a
-    # lower CPU priority (LENT_CORES_DECODE_NICE): a prefill forward preempts them on the cores it borrows
+    # True: prefill and decode workers get all of `cpus`, and decode workers run at a lower CPU priority
+    # (LENT_CORES_DECODE_NICE): a prefill forward gets the cores it wants, decode steps what is left
     lend_cores: bool = False
     # True: prefill and decode workers also serve whole requests (also_colocated), which the router sends
     # them while the pairs are saturated (services.router.picker: spilling)
@@ -191,8 +191,10 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
     if spec.share_cores:
         return {name: available for name in names}
     split = dict(zip(names, split_cores(available, spec.num_prefill, spec.num_decode, spec.num_colocated)))
-    if spec.take_turns or spec.lend_cores:  # prefill may use every core; decode keeps its share, and yields
+    if spec.take_turns:  # prefill takes every core in its turn; decode keeps its share, and pauses meanwhile
         split.update({name: available for name in names if name.startswith("prefill-")})
+    if spec.lend_cores:  # both on every core; decode's lower priority leaves prefill forwards the cores they want
+        split.update({name: available for name in names if name.startswith(("prefill-", "decode-"))})
     return split
 
 

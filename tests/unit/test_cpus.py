@@ -90,13 +90,12 @@ def test_taking_turns_gives_prefill_every_core_and_decode_its_share(monkeypatch)
     assert plan_worker_cpus(four) == {"prefill-0": [0, 1, 2, 3], "decode-0": [2], "decode-1": [3]}
 
 
-def test_lending_cores_gives_prefill_every_core_and_decode_its_share(monkeypatch):
+def test_lending_cores_puts_prefill_and_decode_on_every_core_and_colocated_on_its_share(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     two = ClusterSpec(model="m", num_prefill=1, num_decode=1, cpus="0-1", lend_cores=True)
-    assert plan_worker_cpus(two) == {"prefill-0": [0, 1], "decode-0": [1]}
-    four = ClusterSpec(model="m", num_prefill=2, num_decode=2, cpus="0-3", lend_cores=True)
-    assert plan_worker_cpus(four) == {"prefill-0": [0, 1, 2, 3], "prefill-1": [0, 1, 2, 3], "decode-0": [2],
-                                      "decode-1": [3]}
+    assert plan_worker_cpus(two) == {"prefill-0": [0, 1], "decode-0": [0, 1]}
+    mixed = ClusterSpec(model="m", num_prefill=1, num_decode=1, num_colocated=1, cpus="0-2", lend_cores=True)
+    assert plan_worker_cpus(mixed) == {"prefill-0": [0, 1, 2], "decode-0": [0, 1, 2], "colocated-0": [2]}
 
 
 def spawned_pair(monkeypatch, spec: ClusterSpec) -> tuple[Cluster, dict[str, tuple[list[str], dict[str, str]]]]:
