@@ -96,9 +96,9 @@ WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESH
 # measured) after its process's forward before it sleeps, on the cores the other worker's turn now has.
 # 10k spins (~0.4 ms) still bridge the gaps between one forward's parallel loops.
 TURNS_OPENMP_ENV = {"GOMP_SPINCOUNT": "10000"}
-# Decode workers on cores lent to prefill (--lend-cores): nice 10 weighs 110 against a normal thread's 1024
+# Decode workers sharing their cores with prefill (--lend-cores): nice 10 weighs 110 against a normal thread's 1024
 # (the kernel's CFS weights), so a prefill forward that wants the core gets ~90% of it, and decode runs
-# in what is left (distserve.cpus.lower_priority); measured under Engine, "Cores".
+# in what is left (distserve.cpus.lower_priority); measured under Engine, "Lent cores".
 LENT_CORES_DECODE_NICE = 10
 
 
