@@ -1,6 +1,7 @@
 """Lent cores (`distserve up --lend-cores`): prefill and decode workers run on every core, decode at a
-lower CPU priority, so the kernel gives a running prefill forward every core and decode steps the rest. Output stays token-exact; the priorities and the prefill team's binding are on the threads the
-kernel schedules."""
+lower CPU priority, so the kernel gives a running prefill forward every core and decode steps the rest.
+Output stays token-exact; the priorities and both forward teams' binding are on the threads the kernel
+schedules."""
 
 from __future__ import annotations
 
