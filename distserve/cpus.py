@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Iterable
 
 from distserve.config import ConfigError
@@ -160,18 +161,18 @@ def bind_openmp_team() -> list[int]:
     """
     import torch
 
-    me, cpus = _own_thread_id(), sorted(os.sched_getaffinity(0))
+    me, cpus = threading.get_native_id(), sorted(os.sched_getaffinity(0))
     if len(cpus) < 2 or torch.get_num_threads() < 2:
         return [me]
     before = set(_thread_ids())
     torch.ones(1 << 20).add_(1.0)  # a parallel loop: libgomp starts this thread's team, kept for later ones
     name = _thread_name(me)
     team = sorted(t for t in set(_thread_ids()) - before if _thread_name(t) == name)  # named after their creator
+    team_cores = {thread_id: cpus[1 + index % (len(cpus) - 1)] for index, thread_id in enumerate(team)}
     os.sched_setaffinity(me, [cpus[0]])
-    for index, thread_id in enumerate(team):
-        os.sched_setaffinity(thread_id, [cpus[1 + index % (len(cpus) - 1)]])
-    log.info("forward thread %d on core %d, its OpenMP threads %s on %s", me, cpus[0], team,
-             [cpus[1 + i % (len(cpus) - 1)] for i in range(len(team))])
+    for thread_id, core in team_cores.items():
+        os.sched_setaffinity(thread_id, [core])
+    log.info("forward thread %d on core %d, its OpenMP threads on %s", me, cpus[0], team_cores)
     return [me, *team]
 
 
@@ -196,12 +197,6 @@ def lower_priority(nice: int) -> None:
         except (OSError, ValueError) as exc:  # e.g. a read-only /proc in a container: thread priorities still apply
             log.warning("could not lower this session's CPU priority (%s): %s", AUTOGROUP_PATH, exc)
     log.info("CPU priority lowered by %d (nice %d)", nice, os.getpriority(os.PRIO_PROCESS, 0))
-
-
-def _own_thread_id() -> int:
-    import threading
-
-    return threading.get_native_id()
 
 
 def _thread_name(thread_id: int) -> str:

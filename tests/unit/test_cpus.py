@@ -271,7 +271,7 @@ async def test_serving_threads_move_and_forwards_stay_on_the_workers_cores(resto
 def _team_affinities(name: str) -> dict[int, set[int]]:
     """Affinity of each thread of this process named `name` (a forward thread and its OpenMP team)."""
     return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")
-            if open(f"/proc/self/task/{t}/comm").read().strip() == name}
+            if cpus_module._thread_name(int(t)) == name}
 
 
 async def test_a_forward_thread_on_several_cores_binds_its_openmp_team_one_thread_per_core(
