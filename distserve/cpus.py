@@ -176,6 +176,18 @@ def bind_openmp_team() -> list[int]:
     return [me, *team]
 
 
+def session_group_nice(path: str = AUTOGROUP_PATH) -> int | None:
+    """The nice value of the session group (autogroup) that `path` (a /proc/<pid>/autogroup file)
+    describes, or None where there is none: no such file (a kernel without autogroups), or an empty one
+    (the process is in the root group, as init's session is in a container; it has no nice of its own)."""
+    try:
+        with open(path) as autogroup:
+            fields = autogroup.read().split()  # "/autogroup-318 nice 0"
+    except FileNotFoundError:
+        return None
+    return int(fields[-1]) if fields else None
+
+
 def lower_priority(nice: int) -> None:
     """Lowers this worker's CPU priority by `nice` (0-19): every thread's nice value (threads started
     later inherit it), and, where the kernel shares the CPU between sessions first (autogroup) and this
@@ -188,15 +200,20 @@ def lower_priority(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, thread_id, os.getpriority(os.PRIO_PROCESS, thread_id) + nice)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
-    if os.getsid(0) == os.getpid() and os.path.exists(AUTOGROUP_PATH):
-        try:
-            with open(AUTOGROUP_PATH) as autogroup:  # "/autogroup-318 nice 0"
-                group_nice = int(autogroup.read().split()[-1])
-            with open(AUTOGROUP_PATH, "w") as autogroup:
-                autogroup.write(str(min(group_nice + nice, 19)))
-        except (OSError, ValueError) as exc:  # e.g. a read-only /proc in a container: thread priorities still apply
-            log.warning("could not lower this session's CPU priority (%s): %s", AUTOGROUP_PATH, exc)
+    if os.getsid(0) == os.getpid():
+        _lower_session_group(nice)
     log.info("CPU priority lowered by %d (nice %d)", nice, os.getpriority(os.PRIO_PROCESS, 0))
+
+
+def _lower_session_group(nice: int) -> None:
+    try:
+        group_nice = session_group_nice(AUTOGROUP_PATH)
+        if group_nice is None:
+            return
+        with open(AUTOGROUP_PATH, "w") as autogroup:
+            autogroup.write(str(min(group_nice + nice, 19)))
+    except (OSError, ValueError) as exc:  # e.g. a read-only /proc in a container: thread priorities still apply
+        log.warning("could not lower this session's CPU priority (%s): %s", AUTOGROUP_PATH, exc)
 
 
 def _thread_name(thread_id: int) -> str:

@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from distserve.cpus import session_group_nice
 from distserve.engine.model_loader import load_model
 from distserve.launcher import LENT_CORES_DECODE_NICE, Cluster, ClusterSpec
 from tests.builders import compare_with_tolerance, generate, reference_generate, token_request
@@ -65,8 +66,9 @@ def test_requests_stay_token_exact_and_decode_runs_at_the_lower_priority(lending
     assert "decode-step" in decode and set(decode.values()) == {min(base + LENT_CORES_DECODE_NICE, 19)}, decode
     assert "prefill-forward" in prefill and set(prefill.values()) == {base}, prefill
     if os.path.exists(f"/proc/{decode_pid}/autogroup"):  # the kernel shares the CPU between sessions first
-        assert open(f"/proc/{decode_pid}/autogroup").read().split()[-1] == str(LENT_CORES_DECODE_NICE)
-        assert open(f"/proc/{prefill_pid}/autogroup").read().split()[-1] == "0"
+        # each worker leads its own session, so each has a group of its own (never the empty root one)
+        assert session_group_nice(f"/proc/{decode_pid}/autogroup") == LENT_CORES_DECODE_NICE
+        assert session_group_nice(f"/proc/{prefill_pid}/autogroup") == 0
     for pid, name in ((prefill_pid, "prefill-forward"), (decode_pid, "decode-step")):
         team_cores = sorted(tuple(sorted(os.sched_getaffinity(tid))) for tid in thread_ids(pid, name))
         assert team_cores == [(core,) for core in cores], name  # each forward's team: one thread per core

@@ -17,7 +17,8 @@ import torch
 
 from distserve import cpus as cpus_module
 from distserve.config import ConfigError, parse_config
-from distserve.cpus import apply_cpus, bind_openmp_team, format_cpu_list, parse_cpu_list, pin_process, split_cores
+from distserve.cpus import (AUTOGROUP_PATH, apply_cpus, bind_openmp_team, format_cpu_list, parse_cpu_list, pin_process,
+                            session_group_nice, split_cores)
 from distserve.engine.compute_thread import ComputeThread
 from distserve.launcher import LENT_CORES_DECODE_NICE, Cluster, ClusterSpec, plan_control_cpus, plan_worker_cpus
 from services.colocated.config import ColocatedConfig
@@ -297,7 +298,7 @@ def test_a_forward_thread_on_one_core_starts_no_team(restore_affinity_and_thread
 
 LOWER_PRIORITY_SCRIPT = """
 import json, os, threading
-from distserve.cpus import lower_priority
+from distserve.cpus import lower_priority, session_group_nice
 def nice(tid): return os.getpriority(os.PRIO_PROCESS, tid)
 before = threading.Thread(target=lambda: stop.wait()); stop = threading.Event(); before.start()
 base = nice(0)
@@ -306,8 +307,7 @@ seen = {}
 after = threading.Thread(target=lambda: seen.update(after=nice(threading.get_native_id()))); after.start(); after.join()
 seen.update(main=nice(0), before=nice(before.native_id), base=base)
 stop.set()
-if os.path.exists("/proc/self/autogroup"):
-    seen["group"] = int(open("/proc/self/autogroup").read().split()[-1])
+seen["group"] = session_group_nice()
 print(json.dumps(seen))
 """
 
@@ -316,16 +316,36 @@ print(json.dumps(seen))
 def test_lower_priority_lowers_every_thread_and_its_own_sessions_group(own_session):
     """In a process of its own session the session's group (a new one starts at nice 0) is lowered too,
     where the kernel has autogroups; a process in its caller's session leaves the caller's group alone."""
-    group_path = "/proc/self/autogroup"
-    caller_group = open(group_path).read() if os.path.exists(group_path) else None
+    caller_group = session_group_nice()
     done = subprocess.run([sys.executable, "-c", LOWER_PRIORITY_SCRIPT], capture_output=True, text=True, timeout=60,
-                          start_new_session=own_session, cwd=REPO_ROOT, check=True)
+                          start_new_session=own_session, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     lowered = min(seen["base"] + 5, 19)
     assert (seen["main"], seen["before"], seen["after"]) == (lowered, lowered, lowered)
-    if caller_group is not None:
-        assert seen["group"] == (5 if own_session else int(caller_group.split()[-1]))  # a new session's: nice 0
-        assert open(group_path).read() == caller_group
+    if own_session and os.path.exists(AUTOGROUP_PATH):
+        assert seen["group"] == 5  # a new session's group starts at nice 0
+    else:  # the caller's group (None in the root group, as in a container's init session) is left alone
+        assert seen["group"] == caller_group
+    assert session_group_nice() == caller_group
+
+
+@pytest.mark.parametrize("content, nice", [("/autogroup-318 nice 0\n", 0), ("/autogroup-7 nice 10\n", 10),
+                                           ("", None)])
+def test_session_group_nice_reads_the_group_or_none_in_the_root_group(tmp_path, content, nice):
+    group_file = tmp_path / "autogroup"
+    group_file.write_text(content)  # the root group's file is empty
+    assert session_group_nice(str(group_file)) == nice
+    assert session_group_nice(str(tmp_path / "missing")) is None  # a kernel without autogroups
+
+
+def test_a_session_leader_in_the_root_group_leaves_it_alone(tmp_path, monkeypatch):
+    """The root group (an empty autogroup file: init's session in a container) has no nice to lower."""
+    group_file = tmp_path / "autogroup"
+    group_file.write_text("")
+    monkeypatch.setattr(cpus_module, "AUTOGROUP_PATH", str(group_file))
+    cpus_module._lower_session_group(5)
+    assert group_file.read_text() == ""
 
 
 async def test_without_serving_cores_forwards_run_where_the_worker_is_pinned(restore_affinity_and_threads,
