@@ -41,8 +41,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                              "a time, in turn: lower TTFT at light bf16 load, decode stalls while prefill is "
                              "busy (measured trade: README, Side by side)")
     parser.add_argument("--lend-cores", action="store_true",
-                        help="prefill and decode workers run on every core, decode at a lower CPU priority, so a "
-                             "prefill forward takes every core while it runs and decode steps use what it leaves "
+                        help="prefill and decode workers run on every core, decode and the control plane at a "
+                             "lower CPU priority, so a prefill forward takes every core while it runs and decode "
+                             "steps and the control plane share what it leaves "
                              "(measured trade: README, Side by side)")
     parser.add_argument("--spill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill and decode workers also serve whole requests, prefilled and decoded in one "
@@ -115,7 +116,7 @@ def _absolute_if_file(value: str) -> str:
 def _print_cores(cluster: Cluster) -> None:
     control = f", control plane -> {cluster.control_cpus}" if cluster.control_cpus is not None else ""
     turns = (" (prefill and decode take turns)" if cluster.spec.take_turns else
-             " (decode at a lower priority: prefill forwards first)" if cluster.spec.lend_cores else "")
+             " (decode and control plane at a lower priority: prefill forwards first)" if cluster.spec.lend_cores else "")
     print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control + turns,
           flush=True)
 

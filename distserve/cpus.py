@@ -10,8 +10,9 @@ forwards (`serving_cpus`): the forward thread pins itself to the worker's cores 
 (`pin_compute_thread`), and the OpenMP team it starts inherits them. A forward thread on several
 cores binds its team one thread per core (`bind_openmp_team`).
 
-A decode worker whose cores are lent to prefill forwards (`distserve up --lend-cores`) runs at a lower
-CPU priority (`lower_priority`), so the kernel hands a prefill thread the core whenever it wants it.
+Where prefill workers lend their cores (`distserve up --lend-cores`), the decode worker and the control
+plane run at a lower CPU priority (`lower_priority`), so the kernel hands a prefill thread the core
+whenever it wants it.
 """
 
 from __future__ import annotations
@@ -188,32 +189,32 @@ def session_group_nice(path: str = AUTOGROUP_PATH) -> int | None:
     return int(fields[-1]) if fields else None
 
 
-def lower_priority(nice: int) -> None:
-    """Lowers this worker's CPU priority by `nice` (0-19): every thread's nice value (threads started
+def lower_priority(nice: int) -> str | None:
+    """Lowers this process's CPU priority by `nice` (0-19): every thread's nice value (threads started
     later inherit it), and, where the kernel shares the CPU between sessions first (autogroup) and this
-    process leads its own session (as `distserve up` starts every service), its session's group too:
-    there a thread's nice weighs only against threads of the same session."""
+    process leads its own session (as `distserve up` starts every child), its session's group too:
+    there a thread's nice weighs only against threads of the same session.
+
+    Returns why the session's group could not be lowered (None: it was, or there is none to lower).
+    Logs nothing: the launcher also calls it in a child between fork and exec, where a logging lock
+    held by another of the launcher's threads would never be released."""
     if not nice:
-        return
+        return None
     for thread_id in _thread_ids():
         try:
             os.setpriority(os.PRIO_PROCESS, thread_id, os.getpriority(os.PRIO_PROCESS, thread_id) + nice)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
-    if os.getsid(0) == os.getpid():
-        _lower_session_group(nice)
-    log.info("CPU priority lowered by %d (nice %d)", nice, os.getpriority(os.PRIO_PROCESS, 0))
-
-
-def _lower_session_group(nice: int) -> None:
+    if os.getsid(0) != os.getpid():
+        return None
     try:
         group_nice = session_group_nice(AUTOGROUP_PATH)
-        if group_nice is None:
-            return
-        with open(AUTOGROUP_PATH, "w") as autogroup:
-            autogroup.write(str(min(group_nice + nice, 19)))
+        if group_nice is not None:
+            with open(AUTOGROUP_PATH, "w") as autogroup:
+                autogroup.write(str(min(group_nice + nice, 19)))
     except (OSError, ValueError) as exc:  # e.g. a read-only /proc in a container: thread priorities still apply
-        log.warning("could not lower this session's CPU priority (%s): %s", AUTOGROUP_PATH, exc)
+        return f"{AUTOGROUP_PATH}: {exc}"
+    return None
 
 
 def _thread_name(thread_id: int) -> str:

@@ -46,7 +46,7 @@ from distserve.config import ConfigError
 from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
 from distserve.metrics import LauncherMetrics
 from distserve.control_placement import ControlPlacement
-from distserve.cpus import format_cpu_list, parse_cpu_list, split_cores
+from distserve.cpus import format_cpu_list, lower_priority, parse_cpu_list, split_cores
 from distserve.spill_policy import SpillPolicy
 from distserve.ports import free_port, held_by_a_server, is_bind_failure
 from distserve.supervisor import RestartPolicy, Supervisor
@@ -96,10 +96,12 @@ WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESH
 # measured) after its process's forward before it sleeps, on the cores the other worker's turn now has.
 # 10k spins (~0.4 ms) still bridge the gaps between one forward's parallel loops.
 TURNS_OPENMP_ENV = {"GOMP_SPINCOUNT": "10000"}
-# Decode workers sharing their cores with prefill (--lend-cores): nice 10 weighs 110 against a normal thread's 1024
-# (the kernel's CFS weights), so a prefill forward that wants the core gets ~90% of it, and decode runs
-# in what is left (distserve.cpus.lower_priority); measured under Engine, "Lent cores".
-LENT_CORES_DECODE_NICE = 10
+# Everything but the prefill workers when they lend their cores (--lend-cores): nice 10 weighs 110 against a
+# normal thread's 1024 (the kernel's CFS weights), so a prefill forward that wants the core gets ~90% of
+# it, and decode steps and the control plane share what is left as equals (distserve.cpus.lower_priority).
+# The control plane at nice 0 took a core from the decode worker's two-thread steps whenever it streamed
+# a token, and the step's other thread waited: measured under Engine, "Lent cores".
+LENT_CORES_NICE = 10
 
 
 @dataclasses.dataclass
@@ -131,8 +133,9 @@ class ClusterSpec:
     # True: prefill workers get all of `cpus`, decode workers their split share, and one forward runs at a
     # time, in turn (distserve.engine.core_turns)
     take_turns: bool = False
-    # True: prefill and decode workers get all of `cpus`, and decode workers run at a lower CPU priority
-    # (LENT_CORES_DECODE_NICE): a prefill forward gets the cores it wants, decode steps what is left
+    # True: prefill and decode workers get all of `cpus`, and every child but the prefill (and colocated)
+    # workers runs at a lower CPU priority (plan_nice): a prefill forward gets the cores it wants, decode
+    # steps and the control plane share what is left
     lend_cores: bool = False
     # True: prefill and decode workers also serve whole requests (also_colocated), which the router sends
     # them while the pairs are saturated (services.router.picker: spilling)
@@ -198,6 +201,15 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
     return split
 
 
+def plan_nice(spec: ClusterSpec, name: str) -> int:
+    """How much lower than the launcher's own the child `name`'s CPU priority is (its nice increment).
+    With lend_cores: LENT_CORES_NICE for all but the workers that prefill (prefill-i, colocated-i), which
+    keep the launcher's priority and so win every core they want; otherwise 0 for all."""
+    if not spec.lend_cores or name.startswith(("prefill-", "colocated-")):
+        return 0
+    return LENT_CORES_NICE
+
+
 @dataclasses.dataclass
 class ManagedProcess:
     """One child. A supervised restart replaces `popen` in place (same object, same argv and env)."""
@@ -215,6 +227,7 @@ class ManagedProcess:
     restarts: int = 0  # by the supervisor
     state: str = "running"  # "running" | "restarting" | "failed" (see distserve.supervisor)
     cpus: list[int] | None = None  # cores it starts pinned to (a control-plane process); None: inherited
+    nice: int = 0  # how much lower its CPU priority starts than the launcher's (plan_nice)
 
     def exit_code(self) -> int | None:
         return self.popen.poll()
@@ -362,8 +375,6 @@ class Cluster:
             env.update(_unless_set(WORKER_MALLOC_ENV))
         if self.spec.spill and module in ("services.prefill", "services.decode"):
             argv += ["--also-colocated", "true"]
-        if self.spec.lend_cores and module == "services.decode":
-            argv += ["--nice", str(LENT_CORES_DECODE_NICE)]
         if self.spec.take_turns and module in ("services.prefill", "services.decode"):
             argv += ["--core-turns", str(self.log_dir / "core-turns")]
             env.update(_unless_set(TURNS_OPENMP_ENV))
@@ -378,7 +389,8 @@ class Cluster:
         root = str(Path(__file__).resolve().parent.parent)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
         process = ManagedProcess(name, None, self.log_dir / f"{name}.log", argv, full_env,  # type: ignore[arg-type]
-                                 cpus=None if name in self.worker_cpus else self.control_cpus)
+                                 cpus=None if name in self.worker_cpus else self.control_cpus,
+                                 nice=plan_nice(self.spec, name))
         process.popen = _popen(process, "wb")
         self.processes[name] = process
         return process
@@ -502,19 +514,22 @@ def _popen(process: ManagedProcess, mode: str) -> subprocess.Popen:
     def spawn() -> subprocess.Popen:
         with open(process.log_path, mode) as log_file:
             return subprocess.Popen(process.argv, stdout=log_file, stderr=subprocess.STDOUT, env=process.env,
-                                    start_new_session=True, preexec_fn=functools.partial(_before_exec, process.cpus))
+                                    start_new_session=True,
+                                    preexec_fn=functools.partial(_before_exec, process.cpus, process.nice))
     return _SPAWNER.submit(spawn).result()
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _before_exec(cpus: list[int] | None) -> None:
-    """Runs in the child before exec: dies with the launcher, and starts on `cpus` when given (every
-    thread the program later starts inherits them)."""
+def _before_exec(cpus: list[int] | None, nice: int) -> None:
+    """Runs in the child before exec (it already leads its own session): dies with the launcher, starts
+    on `cpus` when given and `nice` lower in priority, it and its session's group (every thread the
+    program later starts inherits both)."""
     _die_with_launcher()
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
+    lower_priority(nice)  # a group it cannot lower (read-only /proc): its threads are lowered still
 
 
 def _die_with_launcher() -> None:

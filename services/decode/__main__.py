@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 
 import redis.asyncio as aioredis
@@ -125,10 +126,19 @@ async def serve(config: DecodeConfig) -> None:
         shutdown_tracing()
 
 
+def _lower_priority(nice: int) -> None:
+    if not nice:
+        return
+    problem = lower_priority(nice)
+    if problem:
+        log.warning("could not lower this session's CPU priority (threads are lowered): %s", problem)
+    log.info("CPU priority lowered by %d (nice %d)", nice, os.getpriority(os.PRIO_PROCESS, 0))
+
+
 def main(argv: list[str] | None = None) -> None:
     setup_logging("decode")
     config = parse_config(DecodeConfig, argv, prefix="DISTSERVE_DECODE_")
-    lower_priority(config.nice)  # before the threads start: they inherit it
+    _lower_priority(config.nice)  # before the threads start: they inherit it
     init_tracing("distserve-decode")
     apply_cpus(config.cpus, config.serving_cpus)  # before torch does parallel work
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))

@@ -13,7 +13,7 @@ import pytest
 
 from distserve.cpus import session_group_nice
 from distserve.engine.model_loader import load_model
-from distserve.launcher import LENT_CORES_DECODE_NICE, Cluster, ClusterSpec
+from distserve.launcher import LENT_CORES_NICE, Cluster, ClusterSpec
 from tests.builders import compare_with_tolerance, generate, reference_generate, token_request
 from tests.integration.conftest import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, assert_clean, wait_for_workers
 from tests.integration.test_correctness import MAX_TOKENS, make_prompts
@@ -49,7 +49,7 @@ def thread_ids(pid: int, name: str) -> list[int]:
     return [tid for tid, comm, _ in thread_stats(pid) if comm == name]
 
 
-def test_requests_stay_token_exact_and_decode_runs_at_the_lower_priority(lending, tiny_model_path):
+def test_requests_stay_token_exact_and_all_but_prefill_run_at_the_lower_priority(lending, tiny_model_path):
     reference_model = load_model(tiny_model_path, "float32", "cpu")
     prompts = make_prompts(reference_model.config.vocab_size)
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # at once: prefill and decode overlap
@@ -63,12 +63,16 @@ def test_requests_stay_token_exact_and_decode_runs_at_the_lower_priority(lending
     base = os.getpriority(os.PRIO_PROCESS, 0)
     decode_pid, prefill_pid = (lending.processes[name].popen.pid for name in ("decode-0", "prefill-0"))
     decode, prefill = thread_nices(decode_pid), thread_nices(prefill_pid)
-    assert "decode-step" in decode and set(decode.values()) == {min(base + LENT_CORES_DECODE_NICE, 19)}, decode
+    assert "decode-step" in decode and set(decode.values()) == {min(base + LENT_CORES_NICE, 19)}, decode
     assert "prefill-forward" in prefill and set(prefill.values()) == {base}, prefill
+    control = {name: set(thread_nices(lending.processes[name].popen.pid).values())
+               for name in ("redis", "kvbroker", "router", "gateway")}
+    assert control == {name: {min(base + LENT_CORES_NICE, 19)} for name in control}  # decode's equals
     if os.path.exists(f"/proc/{decode_pid}/autogroup"):  # the kernel shares the CPU between sessions first
-        # each worker leads its own session, so each has a group of its own (never the empty root one)
-        assert session_group_nice(f"/proc/{decode_pid}/autogroup") == LENT_CORES_DECODE_NICE
-        assert session_group_nice(f"/proc/{prefill_pid}/autogroup") == 0
+        # each child leads its own session, so each has a group of its own (never the empty root one)
+        groups = {name: session_group_nice(f"/proc/{process.popen.pid}/autogroup")
+                  for name, process in lending.processes.items()}
+        assert groups == {name: 0 if name == "prefill-0" else LENT_CORES_NICE for name in groups}
     for pid, name in ((prefill_pid, "prefill-forward"), (decode_pid, "decode-step")):
         team_cores = sorted(tuple(sorted(os.sched_getaffinity(tid))) for tid in thread_ids(pid, name))
         assert team_cores == [(core,) for core in cores], name  # each forward's team: one thread per core

@@ -20,7 +20,8 @@ from distserve.config import ConfigError, parse_config
 from distserve.cpus import (AUTOGROUP_PATH, apply_cpus, bind_openmp_team, format_cpu_list, parse_cpu_list, pin_process,
                             session_group_nice, split_cores)
 from distserve.engine.compute_thread import ComputeThread
-from distserve.launcher import LENT_CORES_DECODE_NICE, Cluster, ClusterSpec, plan_control_cpus, plan_worker_cpus
+from distserve.launcher import (LENT_CORES_NICE, Cluster, ClusterSpec, plan_control_cpus, plan_nice,
+                               plan_worker_cpus)
 from services.colocated.config import ColocatedConfig
 from services.decode.config import DecodeConfig
 from services.prefill.config import PrefillConfig
@@ -116,13 +117,37 @@ def spawned_pair(monkeypatch, spec: ClusterSpec) -> tuple[Cluster, dict[str, tup
     return cluster, spawned
 
 
-def test_decode_workers_on_lent_cores_step_at_a_lower_priority_and_nothing_else_does(monkeypatch, tmp_path):
-    for lend_cores in (True, False):
-        spec = ClusterSpec(model="m", log_dir=str(tmp_path / str(lend_cores)), lend_cores=lend_cores)
-        _, spawned = spawned_pair(monkeypatch, spec)
-        niced = {name: argv[argv.index("--nice") + 1] for name, (argv, _) in spawned.items() if "--nice" in argv}
-        assert niced == ({"decode-0": str(LENT_CORES_DECODE_NICE)} if lend_cores else {})
-        assert not any("--core-turns" in argv for argv, _ in spawned.values())  # no lock: the kernel decides
+def test_on_lent_cores_all_but_the_prefilling_workers_start_at_a_lower_priority():
+    children = ["redis", "kvbroker", "router", "gateway", "prefill-0", "prefill-1", "decode-0", "colocated-0"]
+    lent = {name: plan_nice(ClusterSpec(model="m", lend_cores=True), name) for name in children}
+    assert lent == {name: 0 if name.startswith(("prefill-", "colocated-")) else LENT_CORES_NICE for name in children}
+    assert {plan_nice(ClusterSpec(model="m"), name) for name in children} == {0}
+
+
+def test_lent_cores_give_no_worker_a_nice_flag_or_a_lock(monkeypatch, tmp_path):
+    """The launcher lowers decode before exec: a --nice flag as well would lower it twice."""
+    _, spawned = spawned_pair(monkeypatch, ClusterSpec(model="m", log_dir=str(tmp_path), lend_cores=True))
+    assert not any("--nice" in argv for argv, _ in spawned.values())
+    assert not any("--core-turns" in argv for argv, _ in spawned.values())  # no lock: the kernel decides
+
+
+def test_children_start_at_their_planned_priority_with_their_own_sessions_group(tmp_path):
+    """A real child from the launcher's spawn path: niced before exec, its session's group too (where
+    the kernel has autogroups); a prefill worker keeps the launcher's priority."""
+    cluster = Cluster(ClusterSpec(model="m", num_prefill=1, num_decode=1, lend_cores=True, log_dir=str(tmp_path)))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    children = {name: cluster._spawn(name, sleeper) for name in ("router", "prefill-0")}
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        nices = {name: os.getpriority(os.PRIO_PROCESS, child.popen.pid) for name, child in children.items()}
+        assert nices == {"router": min(base + LENT_CORES_NICE, 19), "prefill-0": base}
+        if os.path.exists(AUTOGROUP_PATH):
+            groups = {name: session_group_nice(f"/proc/{child.popen.pid}/autogroup") for name, child in children.items()}
+            assert groups == {"router": LENT_CORES_NICE, "prefill-0": 0}  # a new session's group starts at 0
+    finally:
+        for child in children.values():
+            child.popen.kill()
+            child.popen.wait()
 
 
 def test_workers_taking_turns_share_one_turns_folder_and_spin_briefly(monkeypatch, tmp_path):
@@ -339,13 +364,20 @@ def test_session_group_nice_reads_the_group_or_none_in_the_root_group(tmp_path, 
     assert session_group_nice(str(tmp_path / "missing")) is None  # a kernel without autogroups
 
 
-def test_a_session_leader_in_the_root_group_leaves_it_alone(tmp_path, monkeypatch):
-    """The root group (an empty autogroup file: init's session in a container) has no nice to lower."""
+def test_a_session_leader_in_the_root_group_leaves_it_alone(tmp_path):
+    """The root group (an empty autogroup file: init's session in a container) has no nice to lower;
+    the threads are lowered all the same."""
     group_file = tmp_path / "autogroup"
     group_file.write_text("")
-    monkeypatch.setattr(cpus_module, "AUTOGROUP_PATH", str(group_file))
-    cpus_module._lower_session_group(5)
-    assert group_file.read_text() == ""
+    script = ("import json, os, sys; from distserve import cpus; cpus.AUTOGROUP_PATH = sys.argv[1]; "
+              "base = os.getpriority(os.PRIO_PROCESS, 0); problem = cpus.lower_priority(5); "
+              "print(json.dumps([problem, os.getpriority(os.PRIO_PROCESS, 0) - base]))")
+    done = subprocess.run([sys.executable, "-c", script, str(group_file)], capture_output=True, text=True,
+                          timeout=60, start_new_session=True, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    problem, lowered_by = json.loads(done.stdout)
+    assert problem is None and group_file.read_text() == ""
+    assert lowered_by == min(5, 19 - os.getpriority(os.PRIO_PROCESS, 0))
 
 
 async def test_without_serving_cores_forwards_run_where_the_worker_is_pinned(restore_affinity_and_threads,
