@@ -142,7 +142,8 @@ def test_children_start_at_their_planned_priority_with_their_own_sessions_group(
         nices = {name: os.getpriority(os.PRIO_PROCESS, child.popen.pid) for name, child in children.items()}
         assert nices == {"router": min(base + LENT_CORES_NICE, 19), "prefill-0": base}
         if os.path.exists(AUTOGROUP_PATH):
-            groups = {name: session_group_nice(f"/proc/{child.popen.pid}/autogroup") for name, child in children.items()}
+            groups = {name: session_group_nice(f"/proc/{child.popen.pid}/autogroup")
+                      for name, child in children.items()}
             assert groups == {"router": LENT_CORES_NICE, "prefill-0": 0}  # a new session's group starts at 0
     finally:
         for child in children.values():
