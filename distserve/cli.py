@@ -115,9 +115,10 @@ def _absolute_if_file(value: str) -> str:
 
 def _print_cores(cluster: Cluster) -> None:
     control = f", control plane -> {cluster.control_cpus}" if cluster.control_cpus is not None else ""
-    lent = " (decode and control plane at a lower priority: prefill forwards first)"
-    turns = (" (prefill and decode take turns)" if cluster.spec.take_turns else lent if cluster.spec.lend_cores else "")
-    print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control + turns,
+    sharing = (" (prefill and decode take turns)" if cluster.spec.take_turns else
+               " (decode and control plane at a lower priority: prefill forwards first)" if cluster.spec.lend_cores
+               else "")
+    print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control + sharing,
           flush=True)
 
 

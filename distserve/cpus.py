@@ -177,12 +177,13 @@ def bind_openmp_team() -> list[int]:
     return [me, *team]
 
 
-def session_group_nice(path: str = AUTOGROUP_PATH) -> int | None:
-    """The nice value of the session group (autogroup) that `path` (a /proc/<pid>/autogroup file)
-    describes, or None where there is none: no such file (a kernel without autogroups), or an empty one
-    (the process is in the root group, as init's session is in a container; it has no nice of its own)."""
+def session_group_nice(path: str | None = None) -> int | None:
+    """The nice value of the session group (autogroup) that `path` (a /proc/<pid>/autogroup file; this
+    process's by default) describes, or None where there is none: no such file (a kernel without
+    autogroups), or an empty one (the process is in the root group, as init's session is in a container;
+    it has no nice of its own)."""
     try:
-        with open(path) as autogroup:
+        with open(path or AUTOGROUP_PATH) as autogroup:
             fields = autogroup.read().split()  # "/autogroup-318 nice 0"
     except FileNotFoundError:
         return None
@@ -208,7 +209,7 @@ def lower_priority(nice: int) -> str | None:
     if os.getsid(0) != os.getpid():
         return None
     try:
-        group_nice = session_group_nice(AUTOGROUP_PATH)
+        group_nice = session_group_nice()
         if group_nice is not None:
             with open(AUTOGROUP_PATH, "w") as autogroup:
                 autogroup.write(str(min(group_nice + nice, 19)))

@@ -29,7 +29,8 @@ class DecodeConfig(TlsConfig):
     core_turns: str = setting("", "directory of the compute turns of the workers sharing these cores: each forward "
                                   "waits for its turn, turns alternate (empty: no turns, the cores are its own)")
     nice: int = setting(0, "lower this worker's CPU priority by this much (0-19): on cores lent to prefill "
-                           "workers' forwards, theirs preempt its steps (distserve up --lend-cores)")
+                           "workers' forwards, theirs preempt its steps (for a worker started by hand; "
+                           "distserve up --lend-cores lowers the children it starts itself)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
     block_size: int = setting(16, "tokens per KV block")
