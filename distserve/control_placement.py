@@ -4,7 +4,7 @@ With every core given to a worker, `distserve up` pins the router, gateway, kvbr
 decode workers' cores (launcher.plan_control_cpus): a prompt's TTFT is one forward on the prefill
 core, stretched by whatever else runs there, while a decode batch absorbs an interruption across all
 its sequences. Under a burst that trade inverts: spilling workers prefill and decode on every core,
-and a control plane held on one of them slows that core's share of the work (README, Spilling:
+and a control plane held on one of them slows that core's share of the work (docs/goodput.md, Spilling:
 bf16 rate inf with spilling, control plane pinned / floating, 470 and 538 / 685 and 599 tok/s). So while
 a router marks itself spilling, or the registry shows the pairs saturated (distserve.spill_policy, on
 the workers' reported load) or spilled requests still under way, the control plane may run on every

@@ -1,6 +1,6 @@
 """Attention for packed prefill chunks and for paged decode.
 
-Decode kernel choice, measured on one core (README "Engine"): on CPU a compiled kernel that reads K/V
+Decode kernel choice, measured on one core (docs/engine.md, "Kernels"): on CPU a compiled kernel that reads K/V
 through the block tables in place (csrc/decode_attention_*.cpp on AVX-512, and in float32 on AVX2 +
 FMA, for head_dim 64/128, else the generic csrc/paged_attention.cpp); elsewhere, or when it cannot be built, torch SDPA over a
 per-layer gather of whole KV blocks (`paged_attention`), which runs unchanged on CUDA.

@@ -1,9 +1,9 @@
 """Turns at shared cores: workers on the same cores compute one at a time, in turn.
 
 Two workers that run at once on the same (or SMT-sibling) cores each slow the other 1.5-3x
-(README "What runs beside a prefill costs it"), and an OpenMP loop split statically across
-threads waits for its slowest thread. Giving each its own core avoids that, but then a prefill
-uses half the machine while decode idles between steps, and the other way round.
+(benchmarks/results/HISTORY.md, "What runs beside the prefill costs it"), and an OpenMP loop
+split statically across threads waits for its slowest thread. Giving each its own core avoids that,
+but then a prefill uses half the machine while decode idles between steps, and the other way round.
 
 With turns (`distserve up --take-turns`), prefill workers get all the node's cores and decode workers
 keep their share, and a forward (a prefill batch, a decode step) runs only while its worker holds the

@@ -1,6 +1,6 @@
 """Linear layers with weights prepared for the device's fastest matmul, chosen per call by batch rows.
 
-On CPU, measured on one core (benchmarks/engine_roofline.py, README "Engine"):
+On CPU, measured on one core (benchmarks/engine_roofline.py, docs/engine.md):
 - few rows (small-batch decode: up to 4 in bfloat16, 16 in float32; on AVX2, float32 up to 4, 16 for
   an lm_head): our compiled kernel (csrc/skinny_matmul.cpp: register-tiled AVX-512 or AVX2, bf16 dot
   products, software prefetch into L1 and L2) streams the weights faster than oneDNN there (whole decode steps, interleaved: batch 1 1.4x in

@@ -25,7 +25,7 @@ A CUDA (device-to-device) connector is another entry here.
 
 Per-layer sends were measured and left out: the transfer runs after the first token is returned,
 so it never adds to TTFT, and for 256-token prompts of the default model it takes 1-3 ms against a
-100-200 ms prefill (README "Engine").
+100-200 ms prefill (docs/kv-transfer.md).
 """
 
 from __future__ import annotations
