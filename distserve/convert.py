@@ -58,6 +58,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         structured=structured_from_proto(msg.structured_output),
+        cache_salt=msg.cache_salt,
     )
 
 
@@ -127,6 +128,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         min_p=params.min_p,
+        cache_salt=params.cache_salt,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -105,6 +105,35 @@ class ColocatedMetrics:
                                       buckets=BATCH_TOKEN_BUCKETS)
 
 
+class _PrefixCacheCollector:
+    """Reads a prefix cache's counters at each scrape (the engine keeps them; vLLM's names, in tokens)."""
+
+    def __init__(self, cache, prefix: str):
+        self._cache, self._prefix = cache, prefix
+
+    def collect(self):
+        stats, p = self._cache.stats, self._prefix
+        families = [
+            CounterMetricFamily(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                value=stats.queried_tokens),
+            CounterMetricFamily(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
+                                value=stats.hit_tokens),
+            CounterMetricFamily(p + "prefix_cache_evicted_blocks", "Cached blocks evicted for new ones",
+                                value=stats.evicted_blocks),
+            GaugeMetricFamily(p + "prefix_cache_blocks", "Blocks holding a cached prefix",
+                              value=self._cache.num_cached_blocks),
+        ]
+        return families
+
+
+def watch_prefix_cache(cache, prefix: str = PREFIX) -> None:
+    """Serves `cache`'s hit and query counters (distserve.engine.prefix_cache.PrefixCache; None: nothing)
+    on this process's /metrics, named under `prefix`."""
+    if cache is not None:
+        from prometheus_client import REGISTRY
+        REGISTRY.register(_PrefixCacheCollector(cache, prefix))
+
+
 class BrokerMetrics:
     def __init__(self) -> None:
         self.operations = Counter(PREFIX + "kv_handle_operations", "Handle operations", ["operation", "outcome"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from distserve.bench import plots, stats, workload
+from distserve.bench import conversations, plots, stats, workload
 from distserve.bench.client import (
     BenchRequest,
     Endpoint,
@@ -46,6 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fixed lengths, or a mix shaped like ShareGPT (chat), HumanEval (code), "
                              "LongBench (summarize)")
     parser.add_argument("--input-len", default="256", help="fixed workload: N or A-B (uniform) prompt tokens")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="every prompt starts with the same this many tokens (a shared system prompt), "
+                             "drawn anew for each rate; the input lengths come after it")
+    chat = conversations.ChatShape()
+    parser.add_argument("--conversations", type=int, default=chat.num_conversations,
+                        help="multi-turn: conversations per rate (the rate counts conversations started per s)")
+    parser.add_argument("--turns", type=int, default=chat.num_turns, help="multi-turn: turns per conversation")
+    parser.add_argument("--system-len", type=int, default=chat.system_len,
+                        help="multi-turn: tokens of the system prompt every conversation starts with")
+    parser.add_argument("--user-len", type=int, default=chat.user_len, help="multi-turn: tokens of each user turn")
+    parser.add_argument("--answer-len", type=int, default=chat.answer_len, help="multi-turn: tokens of each answer")
+    parser.add_argument("--think-s", type=float, default=chat.think_s,
+                        help="multi-turn: seconds between an answer's end and the next turn")
     parser.add_argument("--output-len", default="64", help="fixed workload: N or A-B (uniform) output tokens")
     parser.add_argument("--max-context", type=int, default=None, help="clip each request to input+output <= this")
     parser.add_argument("--slo-ttft-ms", type=float, default=300.0, help="time-to-first-token SLO")
@@ -95,6 +109,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--out: a folder for results.json is required")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts: must be at least 1, got {args.num_prompts}")
+    if args.prefix_len < 0:
+        raise ValueError(f"--prefix-len: must be >= 0, got {args.prefix_len}")
+    if args.workload == workload.MULTI_TURN:
+        for name in ("conversations", "turns", "user_len", "answer_len"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+        if args.system_len < 0 or args.think_s < 0:
+            raise ValueError("--system-len / --think-s: must be >= 0")
     if args.slo_ttft_ms <= 0 or args.slo_tpot_ms <= 0:
         raise ValueError("--slo-ttft-ms / --slo-tpot-ms: must be > 0")
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -103,25 +125,46 @@ def _check_args(args: argparse.Namespace) -> None:
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     rates = parse_rates(args.rates)
     url = args.url.rstrip("/")
-    lengths = workload.sample_lengths(args.workload, args.num_prompts, args.seed, args.input_len, args.output_len,
-                                      args.max_context)
+    multi_turn = args.workload == workload.MULTI_TURN
+    lengths = [] if multi_turn else workload.sample_lengths(args.workload, args.num_prompts, args.seed,
+                                                            args.input_len, args.output_len, args.max_context)
     async with open_session() as session:
         card = pick_model(url, await list_models(session, url, args.api_key), args.model)
         endpoint = Endpoint(url, card["id"], args.api_key)
         vocab_size = _vocab_size(args, card)
         summaries = []
-        for run, rate in enumerate(rates):
-            prompts = workload.synthetic_prompts(lengths, vocab_size, args.seed, run)  # never seen by the server
-            requests = [BenchRequest(p, out_len) for p, (_, out_len) in zip(prompts, lengths)]
-            arrivals = workload.poisson_arrivals(rate, len(requests), args.seed)
-            records, duration_s = await run_rate(session, endpoint, requests, arrivals, desc=f"rate {rate:g}")
+        for run, rate in enumerate(rates):  # each rate draws prompts the server has never seen
+            if multi_turn:
+                records, duration_s = await _run_chats(session, endpoint, args, vocab_size, run, rate)
+            else:
+                prompts = workload.synthetic_prompts(lengths, vocab_size, args.seed, run, args.prefix_len)
+                requests = [BenchRequest(p, out_len) for p, (_, out_len) in zip(prompts, lengths)]
+                arrivals = workload.poisson_arrivals(rate, len(requests), args.seed)
+                records, duration_s = await run_rate(session, endpoint, requests, arrivals, desc=f"rate {rate:g}")
             summaries.append(stats.summarize_rate(rate, duration_s, records, args.slo_ttft_ms / 1000,
                                                   args.slo_tpot_ms / 1000))
     fixed = args.workload == "fixed"
     spec = {"name": args.workload, "input_len": args.input_len if fixed else None,
-            "output_len": args.output_len if fixed else None, "num_prompts": args.num_prompts, "seed": args.seed}
+            "output_len": args.output_len if fixed else None, "num_prompts": args.num_prompts, "seed": args.seed,
+            "prefix_len": args.prefix_len}
+    if multi_turn:
+        spec.update(dataclasses.asdict(_chat_shape(args)), num_prompts=args.conversations * args.turns)
     label = args.label or Path(args.out).resolve().name
     return stats.results_document(label, url, endpoint.model, spec, args.slo_ttft_ms, args.slo_tpot_ms, summaries)
+
+
+def _chat_shape(args: argparse.Namespace) -> conversations.ChatShape:
+    return conversations.ChatShape(args.conversations, args.turns, args.system_len, args.user_len,
+                                   args.answer_len, args.think_s)
+
+
+async def _run_chats(session, endpoint: Endpoint, args: argparse.Namespace, vocab_size: int, run: int,
+                     rate: float):
+    """One rate of the multi-turn workload: `rate` conversations started per second."""
+    shape = _chat_shape(args)
+    chats = conversations.sample_conversations(shape, vocab_size, args.seed, run)
+    arrivals = workload.poisson_arrivals(rate, len(chats), args.seed)
+    return await conversations.run_conversations(session, endpoint, chats, arrivals, shape)
 
 
 def _vocab_size(args: argparse.Namespace, card: dict[str, Any]) -> int:

@@ -99,17 +99,21 @@ def pick_model(url: str, cards: list[dict[str, Any]], model: str | None) -> dict
     return cards[served.index(model)]
 
 
-def request_body(endpoint: Endpoint, request: BenchRequest) -> dict[str, Any]:
+def request_body(endpoint: Endpoint, request: BenchRequest, return_token_ids: bool = False) -> dict[str, Any]:
     # ignore_eos and min_tokens pin the output length, so every system decodes the same number of tokens.
-    return {"model": endpoint.model, "prompt": request.prompt, "max_tokens": request.output_len,
+    body = {"model": endpoint.model, "prompt": request.prompt, "max_tokens": request.output_len,
             "min_tokens": request.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if return_token_ids:
+        body["return_token_ids"] = True  # vLLM's extra (distserve's too): each chunk carries its token ids
+    return body
 
 
 class _Stream:
     """What one SSE stream has shown so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer_ids: list[int] | None = None) -> None:
+        self.answer_ids = answer_ids  # extended with each chunk's token_ids, when given
         self.first_content_s: float | None = None
         self.num_chunks = 0  # chunks carrying output
         self.usage_tokens: int | None = None
@@ -130,6 +134,8 @@ class _Stream:
             self.error = str(error.get("message", error) if isinstance(error, dict) else error)
             return
         for choice in event.get("choices") or []:
+            if self.answer_ids is not None:
+                self.answer_ids.extend(choice.get("token_ids") or [])
             if choice.get("text") or choice.get("token_ids"):
                 self.num_chunks += 1
                 if self.first_content_s is None:
@@ -140,12 +146,14 @@ class _Stream:
 
 
 async def send_one(session: aiohttp.ClientSession, endpoint: Endpoint, request: BenchRequest,
-                   arrival_s: float) -> RequestRecord:
-    """POSTs one streaming completion and reads it to the end; never raises for the server's faults."""
-    stream, error = _Stream(), ""
+                   arrival_s: float, answer_ids: list[int] | None = None) -> RequestRecord:
+    """POSTs one streaming completion and reads it to the end; never raises for the server's faults.
+    With `answer_ids`, asks for the answer's token ids (return_token_ids) and appends them there."""
+    stream, error = _Stream(answer_ids), ""
     start = time.perf_counter()
+    body = request_body(endpoint, request, return_token_ids=answer_ids is not None)
     try:
-        async with session.post(f"{endpoint.url}/v1/completions", json=request_body(endpoint, request),
+        async with session.post(f"{endpoint.url}/v1/completions", json=body,
                                 headers=endpoint.headers()) as response:
             if response.status != 200:
                 error = f"HTTP {response.status}: {_error_message(await response.text())}"

@@ -57,7 +57,8 @@ MIXES: dict[str, Mix] = {
     "code": Mix(LogNormal(150, 0.35), LogNormal(120, 0.45)),
     "summarize": Mix(LogNormal(1500, 0.5), LogNormal(120, 0.4)),
 }
-WORKLOADS = ("fixed", *MIXES)
+MULTI_TURN = "multi-turn"  # distserve.bench.conversations: conversations, not independent requests
+WORKLOADS = ("fixed", *MIXES, MULTI_TURN)
 
 
 def parse_length(field: str, spec: str) -> tuple[int, int]:
@@ -81,6 +82,8 @@ def sample_lengths(workload: str, num: int, seed: int, input_len: str | None = N
             raise ValueError("the fixed workload needs input_len and output_len")
         inputs = _uniform(rng, parse_length("input_len", input_len), num)
         outputs = _uniform(rng, parse_length("output_len", output_len), num)
+    elif workload == MULTI_TURN:
+        raise ValueError("workload: multi-turn requests come from distserve.bench.conversations, not lengths")
     elif workload in MIXES:
         mix = MIXES[workload]
         inputs, outputs = _log_normal(rng, mix.input, num), _log_normal(rng, mix.output, num)
@@ -129,9 +132,12 @@ def synthetic_prompt(input_len: int, vocab_size: int, rng: np.random.Generator) 
     return [int(x) for x in rng.integers(FIRST_REGULAR_TOKEN_ID, vocab_size, size=input_len)]
 
 
-def synthetic_prompts(lengths: list[tuple[int, int]], vocab_size: int, seed: int, run: int = 0) -> list[list[int]]:
+def synthetic_prompts(lengths: list[tuple[int, int]], vocab_size: int, seed: int, run: int = 0,
+                      prefix_len: int = 0) -> list[list[int]]:
     """One prompt per (input_len, _) pair; its own random stream, so prompts do not shift the lengths.
     Each `run` (the bench gives every rate its own) draws different prompts of the same lengths, so a
-    server's prefix cache cannot turn a later rate's prompts into cache hits."""
+    server's prefix cache cannot turn a later rate's prompts into cache hits. With `prefix_len`, every
+    prompt starts with the same prefix_len tokens (a shared system prompt), also drawn per run."""
     rng = np.random.default_rng([seed, 1, run])
-    return [synthetic_prompt(input_len, vocab_size, rng) for input_len, _ in lengths]
+    prefix = synthetic_prompt(prefix_len, vocab_size, np.random.default_rng([seed, 3, run])) if prefix_len else []
+    return [prefix + synthetic_prompt(input_len, vocab_size, rng) for input_len, _ in lengths]

@@ -7,6 +7,11 @@ A prompt's lifecycle: waiting -> (one or more chunks) -> done. Each forward pack
 So one long prompt is prefilled in chunks beside short ones instead of stalling them, and a
 prompt skipped `MAX_SKIPS` times in a row goes first, so none starves. Each prompt's KV is
 written once, into its own buffer [L, 2, T, Hkv, D], which is what gets sent to decode.
+
+With a prefix cache (distserve.engine.prefix_cache), a prompt's longest cached run of full blocks is
+looked up and pinned when it arrives: those tokens count as computed, so only the rest is scheduled.
+Its first chunk copies them into the buffer (and unpins them); a finished prompt's full blocks are
+stored. Prompts that ask for prompt logprobs compute every token (their logits are wanted).
 The forward runs in a worker thread so the event loop keeps serving gRPC and UCX meanwhile.
 """
 
@@ -25,6 +30,7 @@ from distserve.engine.core_turns import CoreTurns, NoTurns
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.logprobs import TokenLogprobs, rows_logprobs, token_logprobs
 from distserve.engine.model_runner import ModelRunner, PrefillWork
+from distserve.engine.prefix_cache import CachedPrefix, PrefixCache
 from distserve.engine.sampling import (
     FinishReason,
     SamplingParams,
@@ -81,6 +87,7 @@ class PrefillResult:
     prompt_logprobs: list[TokenLogprobs] | None = None  # positions 1.. of the prompt, when asked for
     starts: list[Start] = dataclasses.field(default_factory=list)  # n > 1: every completion's first token
     grammar: GrammarState | None = None  # the first completion's grammar state, past its first token
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, not computed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +116,9 @@ class _Pending:
     next_token: int | None = None  # known already (a migrated request): returned instead of sampling
     num_completions: int = 1  # n: completions started from this prompt (completion i seeded seed + i)
     prompt_logprobs: list[TokenLogprobs] | None = None  # grows chunk by chunk when params.prompt_logprobs is set
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache keys of the full blocks
+    cached: CachedPrefix | None = None  # pinned until the first chunk copies it into kv
+    num_cached_tokens: int = 0
 
     @property
     def num_remaining(self) -> int:
@@ -131,12 +141,14 @@ class _Slice:
 class PrefillBatcher:
     def __init__(self, runner: ModelRunner, eos_ids: tuple[int, ...], max_context: int, max_batch_tokens: int,
                  wakeup: asyncio.Event | None = None, max_queued_tokens: int = 0, queue_timeout_s: float = 0.0,
-                 grammars: LazyGrammarCompiler | None = None, turns: CoreTurns | NoTurns = NoTurns()):
+                 grammars: LazyGrammarCompiler | None = None, turns: CoreTurns | NoTurns = NoTurns(),
+                 prefix_cache: PrefixCache | None = None):
         """`wakeup` is set whenever a prompt arrives (pass a shared one when another loop, such as
         the colocated engine's, drives this batcher instead of `run`). `max_queued_tokens` caps the
         outstanding prompt tokens (QueueFull beyond it; 0: no cap); a prompt no forward has started on
         within `queue_timeout_s` fails with QueueTimeout (0: no deadline). Each forward runs in one of
-        `turns`' turns (cores shared with other workers; see distserve.engine.core_turns)."""
+        `turns`' turns (cores shared with other workers; see distserve.engine.core_turns). With
+        `prefix_cache`, cached prompt prefixes are reused (see the module docstring); None: off."""
         self.max_queued_tokens = max_queued_tokens
         self.queue_timeout_s = queue_timeout_s
         self._runner = runner
@@ -144,6 +156,7 @@ class PrefillBatcher:
         self._max_context = max_context
         self._grammars = grammars  # builds grammar states for constrained requests (None: refused)
         self.turns = turns
+        self.prefix_cache = prefix_cache
         self.compute = ComputeThread("prefill-forward")
         self.max_batch_tokens = max_batch_tokens
         self._waiting: list[_Pending] = []
@@ -175,14 +188,33 @@ class PrefillBatcher:
             raise QueueFull(f"prefill queue is full: {queued} prompt tokens outstanding, cap {self.max_queued_tokens}")
         pending = _Pending(prompt, params, asyncio.get_running_loop().create_future(), next_token=next_token,
                            num_completions=num_completions)
+        self._reuse_cached_prefix(pending)
         self._waiting.append(pending)
         self._wakeup.set()
         return await pending.future
+
+    def _reuse_cached_prefix(self, pending: _Pending) -> None:
+        """Pins the prompt's cached prefix, whose tokens then count as computed."""
+        if self.prefix_cache is None:
+            return
+        pending.block_keys = self.prefix_cache.keys(pending.prompt, pending.params.cache_salt)
+        if pending.params.prompt_logprobs is not None:
+            return
+        pending.cached = self.prefix_cache.lookup(pending.block_keys, len(pending.prompt))
+        pending.num_computed = pending.num_cached_tokens = pending.cached.num_tokens
+
+    def _unpin(self, pending: _Pending) -> None:
+        if pending.cached is not None:
+            self.prefix_cache.release(pending.cached)
+            pending.cached = None
 
     def take_batch(self, budget: int) -> list[_Slice]:
         """Picks the next forward's slices, at most `budget` tokens (see the module docstring);
         prompts whose last chunk is taken leave the queue."""
         self._expire_waiting()
+        for pending in self._waiting:
+            if pending.future.done():  # cancelled or expired before its first chunk
+                self._unpin(pending)
         self._waiting = [p for p in self._waiting if not p.future.done()]
         order = sorted(self._waiting, key=lambda p: p.num_skipped < MAX_SKIPS)  # stable: starving first
         taken = {}
@@ -201,13 +233,15 @@ class PrefillBatcher:
         return batch
 
     def _expire_waiting(self) -> None:
-        """Fails the prompts that waited past the queue deadline with no chunk computed."""
+        """Fails the prompts that waited past the queue deadline with no chunk computed (a cached prefix is
+        not one)."""
         if not self.queue_timeout_s:
             return
         now = time.monotonic()
         for pending in self._waiting:
             waited = now - pending.enqueued_at
-            if not pending.num_computed and waited > self.queue_timeout_s and not pending.future.done():
+            computing = pending.num_computed > pending.num_cached_tokens
+            if not computing and waited > self.queue_timeout_s and not pending.future.done():
                 pending.future.set_exception(QueueTimeout(
                     f"waited {waited:.1f}s in the prefill queue (deadline {self.queue_timeout_s:g}s)"))
 
@@ -252,6 +286,7 @@ class PrefillBatcher:
             self._fail(piece.pending, exc)
 
     def _fail(self, pending: _Pending, exc: Exception) -> None:
+        self._unpin(pending)
         if pending in self._waiting:
             self._waiting.remove(pending)
         if not pending.future.done():
@@ -272,6 +307,9 @@ class PrefillBatcher:
             if pending.kv is None:
                 pending.kv = self._runner.new_kv_buffer(len(pending.prompt))
                 pending.started_at, pending.started_ns = started, start_ns
+                if pending.cached is not None:
+                    self.prefix_cache.load(pending.cached, pending.kv)
+                    self._unpin(pending)
             begin = pending.num_computed
             piece.work = PrefillWork(pending.prompt[begin:begin + piece.num_tokens], begin, pending.kv, piece.is_last,
                                      wants_all_logits=pending.params.prompt_logprobs is not None)
@@ -288,6 +326,8 @@ class PrefillBatcher:
                 self._add_prompt_logprobs(piece)
             piece.pending.num_computed += piece.num_tokens
             piece.pending.num_chunks += 1
+            if piece.is_last and self.prefix_cache is not None:
+                self.prefix_cache.store(piece.pending.block_keys, piece.pending.kv)
         num_tokens = sum(s.num_tokens for s in batch)
         return [self._result(s.pending, logits[row], ended, end_ns, len(batch), num_tokens)
                 for row, s in enumerate(finishing)]
@@ -345,4 +385,5 @@ class PrefillBatcher:
         kv = pending.kv if pending.kv.device.type == "cpu" else pending.kv.cpu()  # UCX today is host-staged
         return PrefillResult(token, finish, kv, pending.started_at - pending.enqueued_at,
                              ended - pending.started_at, pending.enqueued_ns, pending.started_ns, end_ns,
-                             time.time_ns(), batch_size, batch_tokens, pending.num_chunks)
+                             time.time_ns(), batch_size, batch_tokens, pending.num_chunks,
+                             num_cached_tokens=pending.num_cached_tokens)

@@ -58,6 +58,7 @@ class SamplingParams:
     logprobs: int | None = None  # return each completion token's logprob and this many alternatives
     prompt_logprobs: int | None = None  # return the prompt tokens' logprobs and this many alternatives
     structured: StructuredSpec | None = None  # a grammar the output must follow
+    cache_salt: str = ""  # prefix-cache namespace: only requests with equal salts share cached KV
 
     @property
     def has_penalties(self) -> bool:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from distserve.v1 import common_pb2 as distserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64istserve/v1/prefill.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\x12\x14\n\x0ckv_handle_id\x18\x04 \x01(\t\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x11\n\tkv_secret\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\x05\"\xf9\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12\x14\n\x0ckv_handle_id\x18\x04 \x01(\t\x12)\n\tkv_layout\x18\x05 \x01(\x0b\x32\x16.distserve.v1.KvLayout\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.distserve.v1.Timings\x12\x39\n\x14\x66irst_token_logprobs\x18\x07 \x01(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12-\n\x06starts\x18\t \x03(\x0b\x32\x1d.distserve.v1.CompletionStart\"\x18\n\x16GetPrefillStatsRequest\"\xce\x01\n\x17GetPrefillStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rkv_bytes_sent\x18\x02 \x01(\x03\x12\x19\n\x11kv_transfers_sent\x18\x03 \x01(\x03\x12\x18\n\x10num_held_handles\x18\x04 \x01(\x05\x12\x12\n\nheld_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x13\n\x0bnum_batches\x18\x07 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x03\x32\x88\x02\n\x0ePrefillService\x12\x46\n\x07Prefill\x12\x1c.distserve.v1.PrefillRequest\x1a\x1d.distserve.v1.PrefillResponse\x12N\n\rPrefillStream\x12\x1c.distserve.v1.PrefillRequest\x1a\x1d.distserve.v1.PrefillResponse0\x01\x12^\n\x0fGetPrefillStats\x12$.distserve.v1.GetPrefillStatsRequest\x1a%.distserve.v1.GetPrefillStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64istserve/v1/prefill.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\x12\x14\n\x0ckv_handle_id\x18\x04 \x01(\t\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x11\n\tkv_secret\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\x05\"\x94\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12\x14\n\x0ckv_handle_id\x18\x04 \x01(\t\x12)\n\tkv_layout\x18\x05 \x01(\x0b\x32\x16.distserve.v1.KvLayout\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.distserve.v1.Timings\x12\x39\n\x14\x66irst_token_logprobs\x18\x07 \x01(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12-\n\x06starts\x18\t \x03(\x0b\x32\x1d.distserve.v1.CompletionStart\x12\x19\n\x11num_cached_tokens\x18\n \x01(\x05\"\x18\n\x16GetPrefillStatsRequest\"\xce\x01\n\x17GetPrefillStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rkv_bytes_sent\x18\x02 \x01(\x03\x12\x19\n\x11kv_transfers_sent\x18\x03 \x01(\x03\x12\x18\n\x10num_held_handles\x18\x04 \x01(\x05\x12\x12\n\nheld_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x13\n\x0bnum_batches\x18\x07 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x03\x32\x88\x02\n\x0ePrefillService\x12\x46\n\x07Prefill\x12\x1c.distserve.v1.PrefillRequest\x1a\x1d.distserve.v1.PrefillResponse\x12N\n\rPrefillStream\x12\x1c.distserve.v1.PrefillRequest\x1a\x1d.distserve.v1.PrefillResponse0\x01\x12^\n\x0fGetPrefillStats\x12$.distserve.v1.GetPrefillStatsRequest\x1a%.distserve.v1.GetPrefillStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=72
   _globals['_PREFILLREQUEST']._serialized_end=260
   _globals['_PREFILLRESPONSE']._serialized_start=263
-  _globals['_PREFILLRESPONSE']._serialized_end=640
-  _globals['_GETPREFILLSTATSREQUEST']._serialized_start=642
-  _globals['_GETPREFILLSTATSREQUEST']._serialized_end=666
-  _globals['_GETPREFILLSTATSRESPONSE']._serialized_start=669
-  _globals['_GETPREFILLSTATSRESPONSE']._serialized_end=875
-  _globals['_PREFILLSERVICE']._serialized_start=878
-  _globals['_PREFILLSERVICE']._serialized_end=1142
+  _globals['_PREFILLRESPONSE']._serialized_end=667
+  _globals['_GETPREFILLSTATSREQUEST']._serialized_start=669
+  _globals['_GETPREFILLSTATSREQUEST']._serialized_end=693
+  _globals['_GETPREFILLSTATSRESPONSE']._serialized_start=696
+  _globals['_GETPREFILLSTATSRESPONSE']._serialized_end=902
+  _globals['_PREFILLSERVICE']._serialized_start=905
+  _globals['_PREFILLSERVICE']._serialized_end=1169
 # @@protoc_insertion_point(module_scope)

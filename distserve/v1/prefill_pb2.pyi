@@ -26,7 +26,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle_id: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_secret: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "finish_reason", "kv_handle_id", "kv_layout", "timings", "first_token_logprobs", "prompt_logprobs", "starts")
+    __slots__ = ("request_id", "first_token_id", "finish_reason", "kv_handle_id", "kv_layout", "timings", "first_token_logprobs", "prompt_logprobs", "starts", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class PrefillResponse(_message.Message):
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     finish_reason: _common_pb2.FinishReason
@@ -45,7 +46,8 @@ class PrefillResponse(_message.Message):
     first_token_logprobs: _common_pb2.TokenLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     starts: _containers.RepeatedCompositeFieldContainer[_common_pb2.CompletionStart]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv_handle_id: _Optional[str] = ..., kv_layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., starts: _Optional[_Iterable[_Union[_common_pb2.CompletionStart, _Mapping]]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv_handle_id: _Optional[str] = ..., kv_layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., starts: _Optional[_Iterable[_Union[_common_pb2.CompletionStart, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GetPrefillStatsRequest(_message.Message):
     __slots__ = ()

@@ -19,7 +19,7 @@ from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import ModelSpec, load_model_spec
 from distserve.grpc_server import Service
 from distserve.logs import setup_logging
-from distserve.metrics import ColocatedMetrics, serve_metrics
+from distserve.metrics import ColocatedMetrics, serve_metrics, watch_prefix_cache
 from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.v1 import colocated_pb2_grpc
@@ -46,6 +46,7 @@ async def serve(config: ColocatedConfig) -> None:
     engine = build_engine(config, load_engine_model(path, config.dtype, config.device), spec,
                           LazyGrammarCompiler(path, spec.vocab_size, spec.eos_token_ids))
     metrics = ColocatedMetrics()
+    watch_prefix_cache(engine.prefill.prefix_cache)
     redis = redis_client.connect(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
     servicer = ColocatedServicer(config, spec, engine, metrics)

@@ -19,6 +19,7 @@ from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec
 from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
+from distserve.engine.prefix_cache import build_prefix_cache
 from distserve.grpc_server import Service
 from distserve.metrics import PREFIX, ColocatedMetrics
 from distserve.registry import WorkerRecord
@@ -30,7 +31,8 @@ from services.colocated.server import ColocatedServicer
 def build_prefill_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelSpec,
                        grammars: LazyGrammarCompiler, wakeup: asyncio.Event) -> PrefillBatcher:
     return PrefillBatcher(runner, spec.eos_token_ids, spec.max_context,
-                          config.max_batch_tokens or saturation_tokens(config.device), wakeup, grammars=grammars)
+                          config.max_batch_tokens or saturation_tokens(config.device), wakeup, grammars=grammars,
+                          prefix_cache=build_prefix_cache(config, config.model, spec, config.dtype, config.device))
 
 
 def build_decode_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelSpec,

@@ -53,7 +53,7 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
                 yield colocated_pb2.PrefillAndDecodeResponse(
                     token_ids=[result.first_token], finish_reason=finish_to_proto(result.finish_reason),
                     timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s),
-                    **first_logprobs_fields(result))
+                    num_cached_tokens=result.num_cached_tokens, **first_logprobs_fields(result))
                 if result.finish_reason is not None:
                     return
                 seq.tokens.append(result.first_token)

@@ -24,7 +24,7 @@ from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
 from distserve.grpc_server import ChannelPool, Service
 from distserve.logs import setup_logging
-from distserve.metrics import DecodeMetrics, serve_metrics
+from distserve.metrics import PREFIX, DecodeMetrics, serve_metrics, watch_prefix_cache
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.worker_lifecycle import serve_worker
 from distserve.registry import WorkerRecord, WorkerRegistry
@@ -33,6 +33,7 @@ from distserve.transfer.connector import KvConsumer
 from distserve.v1 import decode_pb2_grpc
 from services.colocated.build import also_colocated, build_prefill_side
 from services.colocated.config import ColocatedConfig
+from distserve.prefix_config import prefix_settings
 from services.decode.config import DecodeConfig
 from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
@@ -102,11 +103,13 @@ async def serve(config: DecodeConfig) -> None:
     records, loop = [record], engine.run
     if config.also_colocated:  # a prefill half over the same runner; one loop drives both halves
         colocated_config = ColocatedConfig(
-            worker_id=worker_id, dtype=config.dtype, device=config.device, max_batch_tokens=config.max_batch_tokens,
+            **prefix_settings(config), worker_id=worker_id, model=config.model, dtype=config.dtype,
+            device=config.device, max_batch_tokens=config.max_batch_tokens,
             block_size=config.block_size, max_running=config.max_running,
             admission_timeout_s=config.admission_timeout_s, max_waiting_for_blocks=config.max_waiting_for_blocks)
         colocated = ColocatedEngine(build_prefill_side(colocated_config, engine.runner, spec, grammars, wakeup),
                                     engine, wakeup)
+        watch_prefix_cache(colocated.prefill.prefix_cache, PREFIX + "colocated_")
         service, spill_record = also_colocated(colocated_config, spec, colocated,
                                                f"{config.advertise_host}:{config.port}")
         services.append(service)

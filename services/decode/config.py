@@ -8,10 +8,11 @@ from distserve.config import require, setting
 from distserve.grpc_server import TlsConfig
 from distserve.cpus import parse_cpu_list
 from distserve.engine.dtype import DTYPE_CHOICES
+from distserve.prefix_config import PrefixCacheConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig(TlsConfig):
+class DecodeConfig(PrefixCacheConfig, TlsConfig):
     """decode worker: generates tokens from transferred KV caches."""
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
@@ -56,6 +57,7 @@ class DecodeConfig(TlsConfig):
     grace_s: float = setting(60.0, "on SIGTERM, then let in-flight calls finish for up to this long")
 
     def __post_init__(self) -> None:
+        self.check_prefix_cache()
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.cpus:

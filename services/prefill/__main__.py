@@ -22,7 +22,7 @@ from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import load_model_spec
 from distserve.grpc_server import ChannelPool, Service
 from distserve.logs import setup_logging
-from distserve.metrics import PrefillMetrics, serve_metrics
+from distserve.metrics import PrefillMetrics, serve_metrics, watch_prefix_cache
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.worker_lifecycle import serve_worker
 from distserve.registry import WorkerRecord, WorkerRegistry
@@ -30,6 +30,8 @@ from distserve.transfer import connector
 from distserve.v1 import prefill_pb2_grpc
 from services.kvbroker.store import release_channel
 from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
+from distserve.engine.prefix_cache import build_prefix_cache
+from distserve.prefix_config import prefix_settings
 from services.colocated.build import also_colocated, build_decode_side
 from services.colocated.config import ColocatedConfig
 from services.prefill.config import PrefillConfig
@@ -70,9 +72,11 @@ async def serve(config: PrefillConfig) -> None:
     batcher = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, batch_tokens, wakeup,
                              max_queued_tokens=config.max_queued_tokens or 256 * batch_tokens,
                              queue_timeout_s=config.queue_timeout_s,
-                             grammars=grammars, turns=core_turns(config.core_turns))
+                             grammars=grammars, turns=core_turns(config.core_turns),
+                             prefix_cache=build_prefix_cache(config, config.model, spec, config.dtype, config.device))
     held = HeldKv(config.resolved_max_held_kv_bytes)
     metrics = PrefillMetrics()
+    watch_prefix_cache(batcher.prefix_cache)
 
     def on_sent(handle_id: str, num_bytes: int, seconds: float) -> None:
         held.free(handle_id)
@@ -104,7 +108,8 @@ async def serve(config: PrefillConfig) -> None:
                         "distserve.v1.PrefillService")]
     records, loop = [record], batcher.run
     if config.also_colocated:  # a decode half over the same runner; one loop drives both halves
-        colocated_config = ColocatedConfig(worker_id=worker_id, dtype=config.dtype, device=config.device,
+        colocated_config = ColocatedConfig(**prefix_settings(config), worker_id=worker_id, dtype=config.dtype,
+                                           model=config.model, device=config.device,
                                            max_batch_tokens=batch_tokens, kv_cache_mb=config.colocated_kv_cache_mb)
         engine = ColocatedEngine(batcher, build_decode_side(colocated_config, runner, spec, grammars, wakeup),
                                  wakeup)

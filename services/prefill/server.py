@@ -67,7 +67,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self._record(rid, len(prompt), result)
             response = prefill_pb2.PrefillResponse(
                 request_id=rid, first_token_id=result.first_token, finish_reason=finish_to_proto(result.finish_reason),
-                timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s))
+                timings=common_pb2.Timings(queue_s=result.queue_s, prefill_s=result.prefill_s),
+                num_cached_tokens=result.num_cached_tokens)
             if result.first_token_logprobs is not None:
                 response.first_token_logprobs.CopyFrom(logprobs_to_proto(result.first_token_logprobs))
             response.prompt_logprobs.extend(map(logprobs_to_proto, result.prompt_logprobs or ()))

@@ -47,6 +47,7 @@ class RequestState:
     timings: common_pb2.Timings = dataclasses.field(default_factory=common_pb2.Timings)
     echo_text: str | None = None  # the prompt text to send back on the first message (echo)
     strip_logprobs: bool = False  # computed only to rank best_of completions: not sent
+    num_cached_tokens: int = 0  # prompt tokens the first prefill took from a prefix cache (usage.cached_tokens)
 
     @property
     def outputs(self) -> list[int]:
@@ -102,7 +103,8 @@ class RequestState:
         """Usage (this completion's tokens) and timings on its last message; the request's metrics, span
         attributes and log line once its last completion finishes."""
         message.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(self.prompt),
-                                                completion_tokens=len(completion.outputs)))
+                                                completion_tokens=len(completion.outputs),
+                                                cached_tokens=self.num_cached_tokens))
         message.timings.CopyFrom(self.timings)
         self.metrics.success.labels(finished_reason=completion.finish.value).inc()
         if not self.all_finished:

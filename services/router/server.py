@@ -197,6 +197,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if is_first:
                 timings.first_token_s = time.monotonic() - req.started
                 self._metrics.ttft.observe(timings.first_token_s)
+                req.num_cached_tokens = min(response.num_cached_tokens, len(req.prompt))
             message = req.chunk(list(response.token_ids), finish, response.logprobs)
             if is_first:
                 message.prefill_worker = message.decode_worker = worker.worker_id
@@ -298,6 +299,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         """A message per completion with its first token; the first one carries the request's extras."""
         req.timings.MergeFrom(first.timings)
         req.timings.first_token_s = time.monotonic() - req.started
+        req.num_cached_tokens = min(first.num_cached_tokens, len(req.prompt))
         self._metrics.ttft.observe(req.timings.first_token_s)
         tracing.mark(tracing.FIRST_TOKEN_SENT, req.request_id)  # the worker registers the KV after: not TTFT
         starts = first.starts or [common_pb2.CompletionStart(

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 from distserve.convert import sampling_from_proto
 from distserve.engine.logprobs import MAX_LOGPROBS
 from distserve.engine.model_spec import ModelSpec
 from distserve.engine.sampling import SamplingParams
+
+MAX_CACHE_SALT = 128
+CACHE_SALT_CHARS = re.compile(r"[A-Za-z0-9_.:-]*")
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM sets no limit
 MAX_STOP_STRING_BYTES = 1024  # UTF-8 bytes of one stop string (text is held back while it may match one)
@@ -70,6 +74,8 @@ def validate_sampling(params: SamplingParams, prompt_len: int, spec: ModelSpec) 
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         check(value is None or 0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+    check(len(params.cache_salt) <= MAX_CACHE_SALT and CACHE_SALT_CHARS.fullmatch(params.cache_salt) is not None,
+          "cache_salt", f"must be at most {MAX_CACHE_SALT} characters of [A-Za-z0-9_.:-]")
     validate_stops(params, spec)
 
 

@@ -167,7 +167,8 @@ def test_cli_run_writes_results_charts_and_compares(server, tmp_path, capsys):
     assert cli.main(argv) == 0
     doc = json.loads((out / "results.json").read_text())
     assert (doc["label"], doc["model"], doc["url"]) == ("disagg", "fake", server.url)
-    assert doc["workload"] == {"name": "fixed", "input_len": "5-9", "output_len": "3", "num_prompts": 3, "seed": 0}
+    assert doc["workload"] == {"name": "fixed", "input_len": "5-9", "output_len": "3", "num_prompts": 3, "seed": 0,
+                               "prefix_len": 0}
     assert [r["rate"] for r in doc["rates"]] == ["inf", 20.0]  # run in the given order
     assert all(r["attainment"] == 1.0 and r["num_ok"] == 3 for r in doc["rates"])
     assert (doc["goodput_rps"], doc["goodput_is_lower_bound"]) == (20.0, True)

@@ -108,3 +108,23 @@ def test_each_run_draws_new_prompts_of_the_same_lengths():
     assert [len(p) for p in first] == [len(p) for p in second] == [5, 9, 3]
     assert all(a != b for a, b in zip(first, second))
     assert workload.synthetic_prompts(lengths, 1000, seed=0, run=1) == second
+
+
+def test_a_prefix_len_gives_every_prompt_the_same_head_drawn_per_run():
+    lengths = [(5, 1), (7, 1)]
+    first = workload.synthetic_prompts(lengths, 100, seed=0, run=0, prefix_len=4)
+    assert [len(p) for p in first] == [9, 11] and first[0][:4] == first[1][:4]
+    assert first[0][4:] != first[1][4:9]
+    later = workload.synthetic_prompts(lengths, 100, seed=0, run=1, prefix_len=4)
+    assert later[0][:4] != first[0][:4]
+
+
+def test_conversations_share_one_system_prompt_per_run():
+    from distserve.bench.conversations import ChatShape, sample_conversations
+
+    shape = ChatShape(num_conversations=3, num_turns=2, system_len=6, user_len=4)
+    chats = sample_conversations(shape, 100, seed=0)
+    assert len(chats) == 3 and all(c.system == chats[0].system and len(c.system) == 6 for c in chats)
+    assert all(len(c.user_turns) == 2 and all(len(u) == 4 for u in c.user_turns) for c in chats)
+    assert chats[0].user_turns != chats[1].user_turns
+    assert sample_conversations(shape, 100, seed=0, run=1)[0].system != chats[0].system

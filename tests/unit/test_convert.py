@@ -17,7 +17,7 @@ def test_every_sampling_field_round_trips():
     params = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=4, seed=2**63 + 5, stop=("a", "bc"),
                             stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2, repetition_penalty=1.25,
                             presence_penalty=-0.5, frequency_penalty=1.5, min_p=0.0625, logprobs=0,
-                            prompt_logprobs=3, structured=StructuredSpec("choice", ("a", "b")))
+                            prompt_logprobs=3, structured=StructuredSpec("choice", ("a", "b")), cache_salt="t-1")
     assert all(getattr(params, f.name) != f.default for f in dataclasses.fields(SamplingParams))
     assert sampling_from_proto(sampling_to_proto(params)) == params
 

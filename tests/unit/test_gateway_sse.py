@@ -55,7 +55,8 @@ def test_chat_chunks_start_with_the_role_and_end_with_an_empty_delta():
 def test_usage_chunk_has_no_choices():
     chunk = responses.usage_chunk(meta(Endpoint.CHAT, include_usage=True), USAGE)
     assert chunk["choices"] == []
-    assert chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("endpoint, kind", [(Endpoint.COMPLETIONS, "text_completion"),

@@ -84,7 +84,14 @@ BAD_REQUESTS = {
     "too-many-stop-token-ids": (token_request([5], stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
     "huge-token-id-list": (token_request([5] * 1_000_000), "prompt"),
     "text-longer-than-any-tokenization": (text_request("a" * (SPEC.max_context * MAX_CHARS_PER_TOKEN + 1)), "prompt"),
+    "cache-salt-with-a-space": (token_request([5], cache_salt="a b"), "cache_salt"),
+    "cache-salt-too-long": (token_request([5], cache_salt="a" * 129), "cache_salt"),
 }
+
+
+def test_a_cache_salt_of_the_allowed_characters_passes():
+    _, params = validate(token_request([5], cache_salt="Tenant_1.prod:eu-" + "x" * 111))
+    assert len(params.cache_salt) == 128
 
 
 @pytest.mark.parametrize("request_, field", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())

@@ -33,6 +33,7 @@ class Choice:
     def __init__(self, meta: AnswerMeta, index: int):
         self.meta, self.index = meta, index
         self.parts: list[str] = []
+        self.token_ids: list[int] = []
         self.logprob_parts: list[Any] = []
         self.finish: str | None = None
         self.started = False
@@ -54,6 +55,7 @@ class Choice:
             self.logprob_parts.append(logprobs)
         self.started = True
         self.parts.append(text)
+        self.token_ids += message.token_ids
         if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.finish = responses.finish_reason(message.finish_reason)
         return text, logprobs
@@ -91,6 +93,7 @@ class Answer:
         text, logprobs = choice.add(message, self.prompt)
         if message.HasField("usage"):
             self.usage.prompt_tokens = message.usage.prompt_tokens
+            self.usage.cached_tokens = message.usage.cached_tokens
             self.usage.completion_tokens += message.usage.completion_tokens
         return choice, text, logprobs
 
@@ -108,13 +111,19 @@ class Answer:
         return {"prompt_logprobs": entries}
 
 
+def _token_ids(meta: AnswerMeta, token_ids) -> dict[str, Any]:
+    """{"token_ids": [...]} when the client asked for them (return_token_ids), else nothing."""
+    return {"token_ids": list(token_ids)} if meta.return_token_ids and token_ids else {}
+
+
 async def whole_answer(meta: AnswerMeta, router_answer: RouterAnswer) -> web.Response:
     """Reads the answer to the end; returns the OpenAI completion object."""
     answer = Answer(meta)
     while (message := await router_answer.next()) is not None:
         answer.add(message)
     extras = answer.extras()
-    choices = [responses.whole_choice(meta, c.index, "".join(c.parts), c.finish, c.whole_logprobs(), extras)
+    choices = [responses.whole_choice(meta, c.index, "".join(c.parts), c.finish, c.whole_logprobs(),
+                                      {**extras, **_token_ids(meta, c.token_ids)})
                for c in answer.choices.values()]
     return web.json_response(responses.full_response(meta, choices, answer.usage))
 
@@ -156,8 +165,9 @@ async def _write_chunks(response: web.StreamResponse, meta: AnswerMeta, router_a
         is_first = answer.prompt is None
         choice, text, logprobs = answer.add(message)
         # the router may hold text back (stop strings, partial UTF-8): empty chunks only when they say more
-        if text or choice.finish is not None or logprobs is not None:
-            extras = answer.extras() if is_first else None
+        token_ids = _token_ids(meta, message.token_ids)
+        if text or choice.finish is not None or logprobs is not None or token_ids:
+            extras = {**(answer.extras() if is_first else {}), **token_ids}
             await response.write(sse.event(responses.text_chunk(meta, text, choice.finish, choice.index,
                                                                 logprobs, extras)))
         if answer.done:

@@ -95,7 +95,8 @@ class Gateway:
         request_id = request[_REQUEST_ID]
         meta = AnswerMeta(ID_PREFIX[api.endpoint] + request_id, int(time.time()), api.model, api.endpoint,
                           include_usage=api.stream and api.include_usage, n=api.n,
-                          logprobs=api.wants_logprobs, echo=api.echo, token_text=self._token_text)
+                          logprobs=api.wants_logprobs, echo=api.echo, token_text=self._token_text,
+                          return_token_ids=api.return_token_ids)
         router_request = api.to_router(request_id)
         _trace_request_attributes(api, router_request)
         answer = self._router.generate(router_request, api.params)

@@ -45,6 +45,7 @@ class ApiRequest:
     best_of: int = 0  # 0: n
     echo: bool = False
     user: str = ""
+    return_token_ids: bool = False  # completions: each choice also carries its token ids (vLLM's extra)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -86,8 +87,8 @@ _NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",  # 
 _SAMPLING = {"model", "stream", "stream_options", "max_tokens", "seed", "stop", "n", *_NUMBERS,
              "top_k", "ignore_eos", "stop_token_ids", "min_tokens"}  # top_k and below: vLLM's extras
 _COMMON = _SAMPLING | set(_IGNORED) | {"logit_bias", "logprobs", "user", "response_format", "structured_outputs",
-                                       "prompt_logprobs"}  # the last two: vLLM's extras
-COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix"})
+                                       "prompt_logprobs", "cache_salt"}  # the last three: vLLM's extras
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix", "return_token_ids"})  # vLLM's
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                    "functions", "tool_choice", "function_call", "modalities",
                                    "chat_template_kwargs"})  # the last: vLLM's extra
@@ -120,7 +121,8 @@ def parse_completion(body: Body) -> ApiRequest:
     best_of = body.get_int("best_of") or 0
     if request.stream and best_of > request.n:
         raise bad_request("best_of", "cannot be streamed: best_of > n picks the best only once all are done")
-    return dataclasses.replace(request, prompt=_completion_prompt(body), best_of=best_of, echo=echo)
+    return dataclasses.replace(request, prompt=_completion_prompt(body), best_of=best_of, echo=echo,
+                               return_token_ids=bool(body.get_bool("return_token_ids")))
 
 
 def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
@@ -213,6 +215,7 @@ def _sampling(body: Body, max_tokens_field: str) -> common_pb2.SamplingParams:
         stop_token_ids=body.get_int_list("stop_token_ids") or [],
         ignore_eos=bool(body.get_bool("ignore_eos")),
         min_tokens=body.get_int("min_tokens") or 0,
+        cache_salt=body.get_str("cache_salt") or "",
     )
     max_tokens = body.get_int(max_tokens_field)
     if max_tokens is not None:

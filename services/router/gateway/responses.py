@@ -34,6 +34,7 @@ class AnswerMeta:
     logprobs: bool = False  # choices carry logprobs
     echo: bool = False  # completions: the prompt leads the text (and the logprobs)
     token_text: TokenText | None = None  # token id -> its string, for logprobs
+    return_token_ids: bool = False  # completions: each choice (chunk) carries `token_ids` too, as vLLM's do
 
 
 def finish_reason(value: int) -> str:
@@ -46,9 +47,11 @@ def finish_reason(value: int) -> str:
     return _FINISH[value]
 
 
-def usage(value: common_pb2.Usage) -> dict[str, int]:
+def usage(value: common_pb2.Usage) -> dict[str, Any]:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens a prefix cache supplied."""
     return {"prompt_tokens": value.prompt_tokens, "completion_tokens": value.completion_tokens,
-            "total_tokens": value.prompt_tokens + value.completion_tokens}
+            "total_tokens": value.prompt_tokens + value.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": value.cached_tokens}}
 
 
 def whole_choice(meta: AnswerMeta, index: int, text: str, finish: str, logprobs: Any = None,

@@ -1,0 +1,170 @@
+"""Prefix caching through the whole system on a 1 prefill + 1 decode fleet: prompts that share full
+blocks with earlier ones compute only the rest, and greedy output stays token-exact against
+transformers (fp32). Every test asserts the hit itself (usage.cached_tokens), so a cache that never
+hits fails here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from distserve.engine.model_loader import load_model
+from distserve.launcher import Cluster, ClusterSpec
+from tests.builders import compare_with_tolerance, generate, reference_generate, token_request
+from tests.integration.test_metrics import scrape
+from tests.integration.conftest import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, assert_clean, wait_for_workers
+
+BLOCK = 16  # the default prefix_block_size
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_path, tmp_path_factory):
+    free_ports = {f.name: 0 for f in dataclasses.fields(ClusterSpec) if f.name.endswith("_port")}
+    spec = ClusterSpec(model=tiny_model_path, num_prefill=1, num_decode=1, **free_ports,
+                       log_dir=str(tmp_path_factory.mktemp("prefix-logs")),
+                       prefill_args=PREFILL_TEST_ARGS, decode_args=DECODE_TEST_ARGS,
+                       env={"DISTSERVE_DTYPE": "float32"})
+    cluster = Cluster(spec).start()
+    wait_for_workers(cluster, 1, 1)
+    yield cluster
+    assert_clean(cluster)
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_path):
+    return load_model(tiny_model_path, "float32", "cpu")
+
+
+def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_exact(answer, prompt, reference_model, max_tokens=MAX_TOKENS):
+    ok, _ = compare_with_tolerance(answer.token_ids, reference_generate(reference_model, prompt, max_tokens))
+    assert ok, (len(prompt), answer.token_ids)
+
+
+def test_a_shared_prefix_is_computed_once(fleet, reference_model):
+    vocab = reference_model.config.vocab_size
+    system = random_tokens(5 * BLOCK + 3, seed=1, vocab=vocab)
+    first = generate(fleet.router_address, token_request(system + random_tokens(20, 2, vocab), max_tokens=MAX_TOKENS))
+    assert first.last.usage.cached_tokens == 0
+    for seed in (3, 4):
+        prompt = system + random_tokens(30, seed, vocab)
+        answer = generate(fleet.router_address, token_request(prompt, max_tokens=MAX_TOKENS))
+        assert answer.last.usage.cached_tokens == 5 * BLOCK  # the system prompt's full blocks
+        assert_exact(answer, prompt, reference_model)
+
+
+def test_the_prefill_worker_counts_hits_and_queries(fleet, reference_model):
+    vocab = reference_model.config.vocab_size
+    prompt = random_tokens(2 * BLOCK + 4, seed=60, vocab=vocab)
+    before = scrape(fleet, "prefill-0")
+    for _ in range(2):
+        generate(fleet.router_address, token_request(prompt, max_tokens=2))
+    after = scrape(fleet, "prefill-0")
+    queries, hits = "distserve:prefix_cache_queries_total{}", "distserve:prefix_cache_hits_total{}"
+    assert after[queries] - before[queries] == 2 * len(prompt)
+    assert after[hits] - before[hits] == 2 * BLOCK
+    assert after["distserve:prefix_cache_blocks{}"] >= 2
+
+
+def test_a_follow_up_turn_reuses_the_last_turns_prompt_blocks(fleet, reference_model):
+    vocab = reference_model.config.vocab_size
+    turn1 = random_tokens(70, seed=10, vocab=vocab)
+    answer1 = generate(fleet.router_address, token_request(turn1, max_tokens=MAX_TOKENS))
+    turn2 = turn1 + answer1.token_ids + random_tokens(25, seed=11, vocab=vocab)
+    answer2 = generate(fleet.router_address, token_request(turn2, max_tokens=MAX_TOKENS))
+    assert answer2.last.usage.cached_tokens == (len(turn1) // BLOCK) * BLOCK
+    assert_exact(answer1, turn1, reference_model)
+    assert_exact(answer2, turn2, reference_model)
+
+
+def test_n_completions_share_a_cached_prefix(fleet, reference_model):
+    vocab = reference_model.config.vocab_size
+    prefix = random_tokens(3 * BLOCK, seed=20, vocab=vocab)
+    generate(fleet.router_address, token_request(prefix + [5, 6, 7], max_tokens=2))
+    prompt = prefix + random_tokens(9, seed=21, vocab=vocab)
+    request = token_request(prompt, max_tokens=MAX_TOKENS)
+    request.n = 2
+    answer = generate(fleet.router_address, request)
+    last = [m for m in answer.messages if m.HasField("usage")]
+    assert {m.usage.cached_tokens for m in last} == {3 * BLOCK}
+    reference = reference_generate(reference_model, prompt, MAX_TOKENS)
+    for index in (0, 1):
+        tokens = [t for m in answer.messages if m.index == index for t in m.token_ids]
+        assert compare_with_tolerance(tokens, reference)[0]
+
+
+def test_cache_salt_separates_tenants_and_equal_salts_share(fleet, reference_model):
+    vocab = reference_model.config.vocab_size
+    prompt = random_tokens(4 * BLOCK + 5, seed=30, vocab=vocab)
+
+    def cached(salt: str) -> int:
+        request = token_request(prompt, max_tokens=4)
+        request.sampling.cache_salt = salt
+        return generate(fleet.router_address, request).last.usage.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # same tokens, another salt: no hit
+    assert cached("") == 0  # nor without one
+    assert cached("tenant-a") == 4 * BLOCK  # the same salt shares
+
+
+def test_prompt_logprobs_are_computed_not_cached(fleet, reference_model):
+    vocab = reference_model.config.vocab_size
+    prompt = random_tokens(3 * BLOCK + 2, seed=40, vocab=vocab)
+    generate(fleet.router_address, token_request(prompt, max_tokens=2))
+    request = token_request(prompt, max_tokens=2)
+    request.sampling.prompt_logprobs = 1
+    answer = generate(fleet.router_address, request)
+    assert answer.last.usage.cached_tokens == 0
+    assert len(answer.messages[0].prompt_logprobs) == len(prompt) - 1
+    again = generate(fleet.router_address, token_request(prompt, max_tokens=2))
+    assert again.last.usage.cached_tokens == 3 * BLOCK  # the cache is still there for the others
+
+
+def test_the_openai_usage_reports_cached_tokens(fleet, reference_model, tiny_model_path):
+    vocab = reference_model.config.vocab_size
+    model = Path(tiny_model_path).name  # the gateway serves the folder's name
+    prompt = random_tokens(2 * BLOCK + 1, seed=50, vocab=vocab)
+
+    def completion() -> dict:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0}).encode()
+        request = urllib.request.Request(fleet.gateway_url + "/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return json.loads(reply.read())
+
+    assert completion()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    usage = completion()["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2 * BLOCK} and usage["prompt_tokens"] == len(prompt)
+
+
+def test_the_multi_turn_bench_sends_each_answer_back_and_the_cache_serves_it(fleet, tiny_model_path, tmp_path):
+    """`distserve bench --workload multi-turn`: turn k + 1's prompt holds turn k's answer as token ids
+    (return_token_ids), so the prefill worker finds every earlier turn's prompt blocks cached."""
+    before = scrape(fleet, "prefill-0")["distserve:prefix_cache_hits_total{}"]
+    out = tmp_path / "chat"
+    done = subprocess.run(
+        [sys.executable, "-m", "distserve.bench", "--url", fleet.gateway_url, "--model", Path(tiny_model_path).name,
+         "--tokenizer", tiny_model_path, "--workload", "multi-turn", "--rates", "inf", "--conversations", "2",
+         "--turns", "3", "--system-len", "40", "--user-len", "10", "--answer-len", "5", "--think-s", "0",
+         "--out", str(out)], check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    requests = json.loads((out / "results.json").read_text())["rates"][0]["requests"]
+    assert len(requests) == 6 and all(r["ok"] for r in requests)
+    assert sorted(r["input_len"] for r in requests) == [50, 50, 65, 65, 80, 80]  # + answer 5 + user 10 a turn
+    hits = scrape(fleet, "prefill-0")["distserve:prefix_cache_hits_total{}"] - before
+    # each conversation's turns 2 and 3 find the full blocks of the turn before (50 -> 48, 65 -> 64 tokens);
+    # turn 1 of one may find the 40-token system prompt's 2 blocks, unless both first turns share a forward
+    assert 2 * (48 + 64) <= hits <= 2 * (48 + 64) + 2 * BLOCK
