@@ -23,7 +23,7 @@ from distserve.engine.dtype import DTYPE_CHOICES
 from distserve.engine.model_loader import resolve_model_path
 from distserve.dev_certs import make_dev_certs
 from distserve.grpc_server import PLAINTEXT, TlsConfig
-from distserve.launcher import Cluster, ClusterSpec
+from distserve.launcher import Cluster, ClusterSpec, StartError
 from distserve.redact import redact_url
 from distserve.v1 import common_pb2
 
@@ -39,21 +39,24 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--take-turns", action="store_true",
                         help="prefill workers get every core, decode workers their share, and one forward runs at "
                              "a time, in turn: lower TTFT at light bf16 load, decode stalls while prefill is "
-                             "busy (measured trade: README, Side by side)")
+                             "busy (measured trade: docs/benchmarks.md)")
     parser.add_argument("--lend-cores", action="store_true",
                         help="prefill and decode workers run on every core, decode and the control plane at a "
                              "lower CPU priority, so a prefill forward takes every core while it runs and decode "
                              "steps and the control plane share what it leaves "
-                             "(measured trade: README, Side by side)")
+                             "(measured trade: docs/benchmarks.md)")
     parser.add_argument("--spill", action=argparse.BooleanOptionalAction, default=True,
                         help="prefill and decode workers also serve whole requests, prefilled and decoded in one "
                              "worker, which the router sends them only while the prefill/decode pairs are "
-                             "saturated: under a burst every core prefills and decodes (default: on; README, "
+                             "saturated: under a burst every core prefills and decodes (default: on; docs/goodput.md, "
                              "Spilling, for the measured trade)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="workers reuse the KV of prompt prefixes they computed before, in whole blocks "
+                             "(default: on; --no-prefix-caching computes every prompt whole)")
     parser.add_argument("--control-cpus", default="auto",
                         help="cores for the router, gateway, kvbroker and Redis, e.g. 3; auto (default): cores no "
                              "worker was given, else the decode workers'; any: not pinned. On 2 cores, 1+1, bf16, "
-                             "4 req/s, the decode core measured TTFT p50 -6 to -19 ms at the same TPOT (README)")
+                             "4 req/s, the decode core measured TTFT p50 -6 to -19 ms at the same TPOT (docs/engine.md, Cores)")
     parser.add_argument("--prefill", type=int, default=None,
                         help="number of prefill workers (default: 1, or 0 with --colocated)")
     parser.add_argument("--decode", type=int, default=None,
@@ -62,6 +65,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="number of colocated workers, each prefilling and decoding in one process (the "
                              "baseline disaggregation is compared with); mixed fleets are allowed")
     parser.add_argument("--router-port", type=int, default=50051)
+    parser.add_argument("--free-ports", action="store_true",
+                        help="every port (Redis, kvbroker, workers, router, gateway, metrics) a free one instead "
+                             "of the defaults, e.g. for a second system on this machine; the addresses are printed")
     parser.add_argument("--redis-url", default=os.environ.get("DISTSERVE_REDIS_URL", ""),
                         help="use this Redis instead of starting one (redis:// or rediss://); one with a password "
                              "is better given as env DISTSERVE_REDIS_URL, which `ps` does not show")
@@ -96,7 +102,7 @@ def _spec(args) -> ClusterSpec:
                           "at its lowered priority, behind every prefill forward); add --no-spill")
     if args.take_turns and args.lend_cores:
         raise ConfigError("lend_cores: cannot be combined with --take-turns (pick one way to share the cores)")
-    return ClusterSpec(model=resolve_model_path(args.model), num_prefill=num_prefill, num_decode=num_decode,
+    spec = ClusterSpec(model=resolve_model_path(args.model), num_prefill=num_prefill, num_decode=num_decode,
                        num_colocated=args.colocated,
                        router_port=args.router_port, redis_url=args.redis_url, log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
@@ -104,7 +110,15 @@ def _spec(args) -> ClusterSpec:
                        lend_cores=args.lend_cores, spill=args.spill,
                        control_cpus=args.control_cpus,
                        tls=make_dev_certs(args.tls_dir) if args.tls_dir else PLAINTEXT,
-                       env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device})
+                       env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device,
+                            **({} if args.prefix_caching else {"DISTSERVE_PREFIX_CACHING": "0"})})
+    return _on_free_ports(spec) if args.free_ports else spec
+
+
+def _on_free_ports(spec: ClusterSpec) -> ClusterSpec:
+    """spec with every port 0, which the launcher replaces by a free one (no gateway stays no gateway)."""
+    ports = [field.name for field in dataclasses.fields(ClusterSpec) if field.name.endswith("_port")]
+    return dataclasses.replace(spec, **{name: 0 for name in ports if getattr(spec, name) is not None})
 
 
 def _absolute_if_file(value: str) -> str:
@@ -120,6 +134,11 @@ def _print_cores(cluster: Cluster) -> None:
                else "")
     print("cores: " + ", ".join(f"{name} -> {cpus}" for name, cpus in cluster.worker_cpus.items()) + control + sharing,
           flush=True)
+
+
+def _print_progress(line: str) -> None:
+    """A line of the start's progress (distserve.launcher.StartReport), with the banner on stdout."""
+    print(line, flush=True)
 
 
 def _print_addresses(cluster: Cluster) -> None:
@@ -176,7 +195,7 @@ def _generate(args) -> int:
 
 def _up(args) -> int:
     spec = dataclasses.replace(_spec(args), supervise=not args.no_supervise, state_file=str(args.state_file))
-    cluster = Cluster(spec)
+    cluster = Cluster(spec, progress=_print_progress)
     started = stop = False
 
     def on_signal(*_):
@@ -218,7 +237,7 @@ def _status(args) -> int:
 
 
 def _demo(args) -> int:
-    cluster = Cluster(_spec(args))
+    cluster = Cluster(_spec(args), progress=_print_progress)
     _print_cores(cluster)
     cluster.start()
     try:
@@ -304,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except ConfigError as exc:  # e.g. --cpus naming cores this machine lacks
         parser.error(str(exc))
+    except StartError as exc:  # a child that did not start: what happened and its last log lines
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ ports. With `state_file`, the launcher keeps a JSON description of its
 children there (read by `distserve status`; see distserve.cluster_state).
 The launcher serves its own /metrics (restarts and state of each child,
 distserve.metrics.LauncherMetrics) on the metrics base port + 2.
+
+Progress: Cluster reports each child as it starts and as it serves, and the CPU kernel build it runs
+before the workers on a machine without one, through StartReport to a `progress` callback (`distserve
+up` prints the lines; tests pass none and see nothing). A child that fails to start ends the start with a
+StartError that carries the last lines of its log.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,11 +54,13 @@ from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
 from distserve.metrics import LauncherMetrics
 from distserve.control_placement import ControlPlacement
 from distserve.cpus import format_cpu_list, lower_priority, parse_cpu_list, split_cores
+from distserve.engine import cpu_kernels
 from distserve.spill_policy import SpillPolicy
 from distserve.ports import free_port, held_by_a_server, is_bind_failure
-from distserve.supervisor import RestartPolicy, Supervisor
+from distserve.start_report import StartReport, build_cpu_kernels
+from distserve.supervisor import RestartPolicy, Supervisor, describe_exit
 
-__all__ = ["Cluster", "ClusterSpec", "ManagedProcess", "StartError", "find_redis_server", "free_port"]
+__all__ = ["Cluster", "ClusterSpec", "ManagedProcess", "StartError", "StartReport", "find_redis_server", "free_port"]
 
 log = logging.getLogger(__name__)
 PORT_ATTEMPTS = 3  # starts of a child whose auto-chosen port was taken, before giving up
@@ -142,7 +151,7 @@ class ClusterSpec:
     spill: bool = False
     # Cores for the router, gateway, kvbroker and Redis: a core list, "auto" (spare cores, else the decode
     # workers': plan_control_cpus; `distserve up`'s default) or ""/"any" (not pinned: they run wherever the
-    # OS puts them, prefill cores included). See README "Cores" for the measured trade.
+    # OS puts them, prefill cores included). See docs/engine.md "Cores" for the measured trade.
     control_cpus: str = ""
     tls: TlsConfig = PLAINTEXT  # mutual TLS for every gRPC service, and for the launcher's health checks
     supervise: bool = False  # True: restart any child that dies (see distserve.supervisor)
@@ -160,7 +169,7 @@ def plan_control_cpus(spec: ClusterSpec, worker_cpus: dict[str, list[int]] | Non
 
     "auto": the cores this process may use that no worker was given, if any; else the decode workers'
     (a prompt's TTFT is its prefill's time on its cores, while decode batches absorb the interruptions:
-    README "Cores"); else (colocated workers only) not pinned. "" or "any": not pinned. `worker_cpus`:
+    docs/engine.md "Cores"); else (colocated workers only) not pinned. "" or "any": not pinned. `worker_cpus`:
     plan_worker_cpus(spec), when the caller has it already."""
     if spec.control_cpus in ("", "any"):
         return None
@@ -240,14 +249,16 @@ class ManagedProcess:
 
 
 class StartError(RuntimeError):
-    pass
+    """A child did not start: the message says how, then gives the last lines of its log."""
 
 
 class Cluster:
-    """Starts the processes of a ClusterSpec and stops them (SIGTERM, then SIGKILL)."""
+    """Starts the processes of a ClusterSpec and stops them (SIGTERM, then SIGKILL). `progress` receives
+    the start's progress lines (StartReport); None: the start is silent."""
 
-    def __init__(self, spec: ClusterSpec):
+    def __init__(self, spec: ClusterSpec, progress: Callable[[str], None] | None = None):
         self.spec = spec
+        self.report = StartReport(progress)
         self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="distserve-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
@@ -298,35 +309,62 @@ class Cluster:
 
     def _start_all(self, timeout_s: float) -> None:
         spec = self.spec
+        self._build_cpu_kernels()
         if not self.redis_url:
-            port = self._port(spec.redis_port)
-            redis = self._spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
-                                          "--save", "", "--appendonly", "no"])
-            redis.auto_ports = not spec.redis_port
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
-            self._wait_redis(timeout_s)
-        self._start_named("kvbroker", "services.kvbroker", spec.broker_port, 0, [], 1)
-        self.wait_healthy(self.processes["kvbroker"], timeout_s)  # workers get its address: it must have bound
+            self._start_redis(timeout_s)
+        broker = self._start_named("kvbroker", "services.kvbroker", spec.broker_port, 0, [], 1)
+        self._wait_serving([broker], timeout_s)  # workers get its address: it must have bound
+        workers = self._start_workers()
+        router = self._start_named("router", "services.router", spec.router_port, 0, [], 0)
+        self._wait_serving([*workers, router], timeout_s)
+        if spec.gateway_port is not None:
+            self._start_gateway(timeout_s)
+
+    def _build_cpu_kernels(self) -> None:
+        """Builds the workers' CPU kernels, announced, on a machine without a build of them as they are now;
+        otherwise each worker would wait silently on the first one's build. Cheap when built: a digest of the
+        sources and a stat."""
+        env = self._child_env({})
+        if not self._workers_use_cpu_kernels(env) or cpu_kernels.is_built():
+            return
+        log_path = self.log_dir / "cpu-kernels.log"
+        self.report.building_kernels()
+        if build_cpu_kernels(env, log_path):
+            self.report.kernels_built()
+        else:
+            self.report.kernels_failed(log_path)
+
+    def _workers_use_cpu_kernels(self, env: dict[str, str]) -> bool:
+        """Whether workers started with `env` load the CPU kernels: some run on the CPU, kernels enabled."""
+        on_cpu = env.get("DISTSERVE_DEVICE", "cpu").startswith("cpu")
+        return bool(self.worker_cpus) and on_cpu and cpu_kernels.enabled(env)
+
+    def _start_redis(self, timeout_s: float) -> None:
+        port = self._port(self.spec.redis_port)
+        redis = self._spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no"])
+        redis.auto_ports = not self.spec.redis_port
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self._wait_redis(timeout_s)
+
+    def _start_workers(self) -> list[ManagedProcess]:
+        spec, workers = self.spec, []
         for role, count, base, args, metrics_offset in (
                 ("prefill", spec.num_prefill, spec.prefill_base_port, spec.prefill_args, 10),
                 ("decode", spec.num_decode, spec.decode_base_port, spec.decode_args, 20),
                 ("colocated", spec.num_colocated, spec.colocated_base_port, spec.colocated_args, 30)):
             for i in range(count):
-                self._start_named(f"{role}-{i}", f"services.{role}", base, i, args, metrics_offset + i)
-        self._start_named("router", "services.router", spec.router_port, 0, [], 0)
-        for process in self.processes.values():
-            if process.address:
-                self.wait_healthy(process, timeout_s)
-        if spec.gateway_port is not None:
-            self._start_gateway(timeout_s)
+                workers.append(self._start_named(f"{role}-{i}", f"services.{role}", base, i, args, metrics_offset + i))
+        return workers
 
     def _start_named(self, name: str, module: str, base_port: int, offset: int, args: list[str],
-                     metrics_offset: int) -> None:
+                     metrics_offset: int) -> ManagedProcess:
         """start_service on the spec's ports (base + offset), or on free ones where the spec says 0."""
         metrics = self.spec.metrics_base_port
         process = self.start_service(name, module, f"127.0.0.1:{self._port(base_port, offset)}", args,
                                      self._port(metrics, metrics_offset))
         process.auto_ports = not base_port and not metrics
+        return process
 
     def _start_gateway(self, timeout_s: float) -> None:
         port = self._port(self.spec.gateway_port)
@@ -342,10 +380,11 @@ class Cluster:
             try:
                 with urllib.request.urlopen(self.gateway_url + "/version", timeout=1) as reply:
                     if reply.status == 200:
+                        self.report.ready("gateway", self.gateway_url)
                         return
             except OSError:
                 time.sleep(0.2)
-        raise StartError(f"gateway not up within {timeout_s}s:\n{process.log_tail()}")
+        raise self._report_failure(process, f"not answering within {timeout_s:.0f} s")
 
     @property
     def broker_address(self) -> str:
@@ -384,13 +423,20 @@ class Cluster:
         process.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         return process
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
-        full_env = {**os.environ, **self.spec.tls.tls_env(), **self.spec.env, **(env or {})}
+    def _child_env(self, env: dict[str, str]) -> dict[str, str]:
+        """A child's whole environment: this process's, the spec's TLS and env, then `env`; this checkout
+        first on PYTHONPATH."""
+        full_env = {**os.environ, **self.spec.tls.tls_env(), **self.spec.env, **env}
         root = str(Path(__file__).resolve().parent.parent)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
-        process = ManagedProcess(name, None, self.log_dir / f"{name}.log", argv, full_env,  # type: ignore[arg-type]
+        return full_env
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        process = ManagedProcess(name, None, self.log_dir / f"{name}.log", argv,  # type: ignore[arg-type]
+                                 self._child_env(env or {}),
                                  cpus=None if name in self.worker_cpus else self.control_cpus,
                                  nice=plan_nice(self.spec, name))
+        self.report.starting(name)
         process.popen = _popen(process, "wb")
         self.processes[name] = process
         return process
@@ -427,25 +473,46 @@ class Cluster:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
                     sock.sendall(b"PING\r\n")
                     if sock.recv(16).startswith(b"+PONG"):
+                        self.report.ready("redis", f"127.0.0.1:{port}")
                         return
             except OSError:
                 time.sleep(0.1)
-        raise StartError("redis did not start")
+        raise self._report_failure(process, f"not answering PING within {timeout_s:.0f} s")
 
     def wait_healthy(self, process: ManagedProcess, timeout_s: float) -> None:
         """Waits until the child's gRPC health check says SERVING (it may move ports meanwhile)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._ensure_running(process)
-            with blocking_channel(process.address, self.spec.tls) as channel:
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
+        self._wait_serving([process], timeout_s)
+
+    def _wait_serving(self, processes: list[ManagedProcess], timeout_s: float) -> None:
+        """Waits until every one of `processes` says SERVING, reporting each as it does. Raises StartError
+        as soon as one exits, or at the deadline for the first still not serving."""
+        deadline, waiting = time.monotonic() + timeout_s, list(processes)
+        while True:
+            for process in list(waiting):
+                self._ensure_running(process)
+                if self._is_serving(process):
+                    waiting.remove(process)
+                    self.report.ready(process.name, process.address)
+            if not waiting:
+                return
+            if time.monotonic() >= deadline:
+                raise self._report_failure(waiting[0], f"not healthy within {timeout_s:.0f} s")
             time.sleep(0.2)
-        raise StartError(f"{process.name} not healthy within {timeout_s}s:\n{process.log_tail()}")
+
+    def _is_serving(self, process: ManagedProcess) -> bool:
+        with blocking_channel(process.address, self.spec.tls) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _report_failure(self, process: ManagedProcess, how: str, hint: str = "") -> StartError:
+        """Reports that the child failed to start (`how`: e.g. "exited with code 1"); the StartError to raise,
+        with the last lines of its log."""
+        self.report.failed(process.name, how)
+        tail = textwrap.indent(process.log_tail(), "  ") or "  (its log is empty)"
+        return StartError(f"{process.name} {how}; the last lines of its log {process.log_path}:\n{tail}{hint}")
 
     def _ensure_running(self, process: ManagedProcess) -> None:
         """Raises StartError if a starting child exited, unless it lost an auto-chosen port: then moves it."""
@@ -466,8 +533,8 @@ class Cluster:
             self.respawn(process)
             return
         hint = ("\nIts port is taken: is another `distserve up` running (`distserve status`)? Or choose other "
-                "ports." if is_bind_failure(tail) else "")
-        raise StartError(f"{process.name} exited with {process.popen.returncode}:\n{tail}{hint}")
+                "ports (`distserve up --free-ports`)." if is_bind_failure(tail) else "")
+        raise self._report_failure(process, describe_exit(process.popen.returncode), hint)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Sends sig to the child's process group and waits for it to exit (a supervisor then restarts it)."""

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,9 @@ def cpu_can_run(op: str, flags) -> bool:
     return any(needed <= flags for needed in KERNEL_CPU_FLAGS[op])
 
 
-def enabled() -> bool:
-    return os.environ.get("DISTSERVE_CPU_KERNELS", "1") not in ("0", "false", "off")
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether DISTSERVE_CPU_KERNELS in `environ` (default: this process's environment) allows the kernels."""
+    return (os.environ if environ is None else environ).get("DISTSERVE_CPU_KERNELS", "1") not in ("0", "false", "off")
 
 
 def has_op(kernels, name: str) -> bool:
@@ -125,6 +127,13 @@ def build_directory(name: str) -> Path:
 def kernels_build_directory() -> Path:
     """The folder of this checkout's kernel build (sources and flags as they are now)."""
     return build_directory(_build_name(COMPILE_FLAGS))
+
+
+def is_built() -> bool:
+    """Whether this machine has a build of the kernels as they are now (a load then only links it), without
+    loading it: `distserve up` announces a build before it starts one."""
+    directory = kernels_build_directory()
+    return (directory / f"{directory.name}.so").is_file()
 
 
 def ninja_directory() -> str:
