@@ -9,7 +9,10 @@
 #   VARIANTS="distserve distserve-lend" bash benchmarks/peer/compare.sh ...  # also with --lend-cores
 #   VARIANTS="distserve distserve-nospill" bash benchmarks/peer/compare.sh ...  # also with --no-spill
 #   VARIANTS="distserve distserve-mark512" bash benchmarks/peer/compare.sh ...  # also spilling past 512 prompt tokens
+#   VARIANTS="distserve distserve-noprefix" bash benchmarks/peer/compare.sh ...  # also with prefix caching off
 #   ROUNDS=3 bash benchmarks/peer/compare.sh ...  # 3 rounds, OUT_DIR/round1.., order alternating per round
+#   BENCH_ARGS="--random-prefix-len 768 --num-prompts 40" bash benchmarks/peer/compare.sh ...  # passed to
+#       every `vllm bench serve` run (here: every prompt starts with the same 768 tokens)
 #
 # Needs the peer venv (bash ../shared/peer-bench/setup.sh) and this project's .venv. Writes one
 # vllm bench JSON per (system, dtype, rate) to OUT_DIR (per round to OUT_DIR/roundN with ROUNDS > 1),
@@ -45,7 +48,9 @@ run_rates() {  # SYSTEM DTYPE URL
   for rate in $RATES; do
     run=$((run + 1))
     echo "== $1 $2 rate $rate"
-    bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" "$rate" "$OUT/${1}_${2}_rate${rate}.json" --seed "$run"
+    # shellcheck disable=SC2086  # BENCH_ARGS: words on purpose
+    bash "$PEER_BENCH/bench.sh" "$3" "$NAME" "$MODEL_DIR" "$rate" "$OUT/${1}_${2}_rate${rate}.json" ${BENCH_ARGS:-} \
+      --seed "$run"
   done
 }
 
@@ -66,6 +71,7 @@ run_ours() {  # DTYPE
       distserve-turns) variant=(--take-turns --no-spill) ;;
       distserve-lend) variant=(--lend-cores --no-spill) ;;
       distserve-nospill) variant=(--no-spill) ;;
+      distserve-noprefix) variant=(--no-prefix-caching) ;;
       distserve-spill) variant=(--spill) ;;
       distserve-mark*) mark=("DISTSERVE_ROUTER_SPILL_PREFILL_TOKENS=${system#distserve-mark}") ;;
     esac

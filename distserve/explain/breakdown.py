@@ -162,6 +162,9 @@ def _forward_words(stage: SpanRow, forward: SpanRow | None, worker: str) -> str:
     if forward is None:
         return ""
     prompt = f"{_num(stage, 'gen_ai.usage.input_tokens') or 0:,.0f}-token prompt at {worker}"
+    cached = _num(forward, "distserve.prefill.cached_tokens") or 0
+    if cached:
+        prompt += f" ({cached:,.0f} of its tokens from the prefix cache)"
     batch = (f"{_num(forward, 'distserve.batch.size') or 0:.0f} prompt(s), "
              f"{_num(forward, 'distserve.batch.tokens') or 0:,.0f} tokens")
     chunks = _num(forward, "distserve.prefill.chunks") or 1

@@ -105,15 +105,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         tracing.record_span("queue", rid, result.enqueued_ns, result.forward_start_ns)
         tracing.record_span("forward", rid, result.forward_start_ns, result.forward_end_ns, **{
             "distserve.batch.size": result.batch_size, "distserve.batch.tokens": result.batch_tokens,
-            "distserve.prefill.chunks": result.num_chunks})
+            "distserve.prefill.chunks": result.num_chunks, "distserve.prefill.cached_tokens": result.num_cached_tokens})
         tracing.record_span("first_token", rid, result.forward_end_ns, result.sampled_ns, **{
             "distserve.token_id": result.first_token})
         self._metrics.queue_time.observe(result.queue_s)
         self._metrics.prefill_time.observe(result.prefill_s)
         self._metrics.prompt_tokens.inc(num_tokens)
         self._metrics.batch_tokens.observe(result.batch_tokens)
-        log.info("prefill request_id=%s tokens=%d batch=%d queue_s=%.4f prefill_s=%.4f", rid, num_tokens,
-                 result.batch_size, result.queue_s, result.prefill_s)
+        log.info("prefill request_id=%s tokens=%d cached=%d batch=%d queue_s=%.4f prefill_s=%.4f", rid, num_tokens,
+                 result.num_cached_tokens, result.batch_size, result.queue_s, result.prefill_s)
 
     def _layout(self, num_tokens: int, kv) -> common_pb2.KvLayout:
         return common_pb2.KvLayout(

@@ -207,3 +207,17 @@ def test_with_the_routers_first_token_mark_registration_counts_after_the_first_t
     assert sum(p.seconds for p in marked.ttft_parts) == pytest.approx(marked.ttft_s, abs=1e-5)
     assert sum(p.seconds for p in marked.tpot_parts) == pytest.approx(
         marked.tpot_s * (marked.num_output_tokens - 1), abs=1e-5)
+
+
+def test_a_prompt_served_partly_from_the_prefix_cache_says_how_much():
+    document = json.loads((TRACES / "healthy.otlp.json").read_text())
+    forwards = [span for resource in document["resourceSpans"] for scope in resource["scopeSpans"]
+                for span in scope["spans"] if span["name"] == "forward"]
+    assert forwards
+    for span in forwards:
+        span["attributes"].append({"key": "distserve.prefill.cached_tokens", "value": {"intValue": "1024"}})
+    request_id = CASES["healthy"]
+    b = explain_rows(rows_from_otlp(document, request_id), request_id)
+    forward = next(p for p in b.ttft_parts if p.label == "prefill forward")
+    assert "(1,024 of its tokens from the prefix cache)" in forward.detail
+    assert "prefix cache" not in next(p for p in breakdown("healthy").ttft_parts if p.label == "prefill forward").detail
