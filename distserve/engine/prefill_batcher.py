@@ -9,9 +9,12 @@ prompt skipped `MAX_SKIPS` times in a row goes first, so none starves. Each prom
 written once, into its own buffer [L, 2, T, Hkv, D], which is what gets sent to decode.
 
 With a prefix cache (distserve.engine.prefix_cache), a prompt's longest cached run of full blocks is
-looked up and pinned when it arrives: those tokens count as computed, so only the rest is scheduled.
-Its first chunk copies them into the buffer (and unpins them); a finished prompt's full blocks are
-stored. Prompts that ask for prompt logprobs compute every token (their logits are wanted).
+looked up and pinned when it arrives, and looked up again before each batch while no chunk has
+started on it and blocks were stored since: those tokens count as computed, so only the rest is
+scheduled. So prompts that arrive together with a shared prefix compute it once: the first one's
+chunks are stored as they finish, and the others, still waiting, find them. A prompt's first chunk
+copies its cached prefix into the buffer (and unpins it). Prompts that ask for prompt logprobs
+compute every token (their logits are wanted).
 The forward runs in a worker thread so the event loop keeps serving gRPC and UCX meanwhile.
 """
 
@@ -119,6 +122,7 @@ class _Pending:
     block_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache keys of the full blocks
     cached: CachedPrefix | None = None  # pinned until the first chunk copies it into kv
     num_cached_tokens: int = 0
+    looked_up_at: int = -1  # the cache's stored-block count at the last look-up (-1: never looked up)
 
     @property
     def num_remaining(self) -> int:
@@ -194,13 +198,19 @@ class PrefillBatcher:
         return await pending.future
 
     def _reuse_cached_prefix(self, pending: _Pending) -> None:
-        """Pins the prompt's cached prefix, whose tokens then count as computed."""
-        if self.prefix_cache is None:
+        """(Re)pins the longest cached prefix of a prompt no chunk has started on, unless nothing was
+        stored since its last look-up; the prefix's tokens then count as computed."""
+        cache = self.prefix_cache
+        if cache is None or pending.kv is not None or pending.looked_up_at == cache.stats.stored_blocks:
             return
-        pending.block_keys = self.prefix_cache.keys(pending.prompt, pending.params.cache_salt)
+        if pending.looked_up_at < 0:
+            pending.block_keys = cache.keys(pending.prompt, pending.params.cache_salt)
+        pending.looked_up_at = cache.stats.stored_blocks
         if pending.params.prompt_logprobs is not None:
             return
-        pending.cached = self.prefix_cache.lookup(pending.block_keys, len(pending.prompt))
+        previous, pending.cached = pending.cached, cache.lookup(pending.block_keys, len(pending.prompt))
+        if previous is not None:
+            cache.release(previous)
         pending.num_computed = pending.num_cached_tokens = pending.cached.num_tokens
 
     def _unpin(self, pending: _Pending) -> None:
@@ -216,6 +226,8 @@ class PrefillBatcher:
             if pending.future.done():  # cancelled or expired before its first chunk
                 self._unpin(pending)
         self._waiting = [p for p in self._waiting if not p.future.done()]
+        for pending in self._waiting:
+            self._reuse_cached_prefix(pending)
         order = sorted(self._waiting, key=lambda p: p.num_skipped < MAX_SKIPS)  # stable: starving first
         taken = {}
         for pending in order:  # whole prompts that fit; a starving one takes what it can
@@ -309,6 +321,7 @@ class PrefillBatcher:
                 pending.started_at, pending.started_ns = started, start_ns
                 if pending.cached is not None:
                     self.prefix_cache.load(pending.cached, pending.kv)
+                    self.prefix_cache.count_query(len(pending.prompt), pending.num_cached_tokens)
                     self._unpin(pending)
             begin = pending.num_computed
             piece.work = PrefillWork(pending.prompt[begin:begin + piece.num_tokens], begin, pending.kv, piece.is_last,
@@ -326,8 +339,9 @@ class PrefillBatcher:
                 self._add_prompt_logprobs(piece)
             piece.pending.num_computed += piece.num_tokens
             piece.pending.num_chunks += 1
-            if piece.is_last and self.prefix_cache is not None:
-                self.prefix_cache.store(piece.pending.block_keys, piece.pending.kv)
+            if self.prefix_cache is not None:  # every block this chunk completed, for prompts still waiting
+                computed = piece.pending.block_keys[:piece.pending.num_computed // self.prefix_cache.block_size]
+                self.prefix_cache.store(computed, piece.pending.kv)
         num_tokens = sum(s.num_tokens for s in batch)
         return [self._result(s.pending, logits[row], ended, end_ns, len(batch), num_tokens)
                 for row, s in enumerate(finishing)]

@@ -77,7 +77,8 @@ class PrefixCache:
 
     def lookup(self, keys: list[bytes], num_prompt_tokens: int) -> CachedPrefix:
         """Pins the longest cached run of `keys` from the first, leaving at least the prompt's last token
-        to compute (its logits give the first token). Release the result (`release`) once copied or dropped."""
+        to compute (its logits give the first token). Release the result (`release`) once copied or dropped.
+        Counts nothing: `count_query` records the look-up whose result a prompt used."""
         usable = keys[:(num_prompt_tokens - 1) // self.block_size]
         with self._lock:
             blocks = []
@@ -89,9 +90,13 @@ class PrefixCache:
             for block in blocks:
                 self._lru.pop(block, None)
                 self._refs[block] = self._refs.get(block, 0) + 1
-            self.stats.queried_tokens += num_prompt_tokens
-            self.stats.hit_tokens += len(blocks) * self.block_size
         return CachedPrefix(blocks, self.block_size)
+
+    def count_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one prompt's look-up: its tokens, and those it found cached."""
+        with self._lock:
+            self.stats.queried_tokens += num_prompt_tokens
+            self.stats.hit_tokens += num_hit_tokens
 
     def load(self, prefix: CachedPrefix, kv: torch.Tensor) -> None:
         """Copies the pinned prefix's KV into a prompt's buffer kv [L, 2, T, Hkv, D] (T >= prefix tokens)."""

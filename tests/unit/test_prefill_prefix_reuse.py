@@ -59,6 +59,23 @@ async def test_cached_prefixes_give_the_kv_and_first_token_of_a_whole_prefill(ru
     assert cache.stats.hit_tokens == 8 * BLOCK
 
 
+async def test_prompts_arriving_together_compute_their_shared_prefix_once(runner):
+    """Chunked (12 tokens a forward): the first prompt's chunks are stored as they finish, and the
+    others, still waiting, find them before their own first chunk."""
+    prompts = prompts_sharing(4 * BLOCK + 3, 3, seed=5)
+    plain = await prefill_all(runner, prompts, 12)
+    cache = make_cache(runner, 64)
+    batcher = PrefillBatcher(runner, eos_ids=(), max_context=512, max_batch_tokens=12, prefix_cache=cache)
+    loop = asyncio.create_task(batcher.run())
+    try:
+        together = await asyncio.gather(*(batcher.submit(p, GREEDY) for p in prompts))
+    finally:
+        loop.cancel()
+    assert [r.num_cached_tokens for r in together] == [0, 4 * BLOCK, 4 * BLOCK]
+    assert [r.first_token for r in together] == [r.first_token for r in plain]
+    assert cache.stats.queried_tokens == sum(map(len, prompts)) and cache.stats.hit_tokens == 8 * BLOCK
+
+
 async def test_eviction_under_pressure_keeps_output_exact(runner):
     prompts = [p for pair in zip(prompts_sharing(3 * BLOCK, 3), prompts_sharing(2 * BLOCK + 1, 3, seed=4)) for p in pair]
     plain = await prefill_all(runner, prompts, 256)

@@ -42,6 +42,8 @@ def test_a_stored_prefix_is_found_and_copied_exactly():
     assert torch.equal(kv[:, :, :8], prompt_kv(first)[:, :, :8])
     assert bool((kv[:, :, 8:] == -1).all())
     cache.release(hit)
+    assert cache.stats.hit_tokens == 0  # a look-up counts nothing until the prompt uses it
+    cache.count_query(len(second), 8)
     assert cache.stats.hit_tokens == 8 and cache.stats.queried_tokens == len(second)
 
 
