@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from distserve.config import require, setting
+from distserve.prefix_hash import PrefixNamespace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,14 @@ class PrefixCacheConfig:
         """Called from the worker config's __post_init__."""
         require(self.prefix_cache_mb >= 0, "prefix_cache_mb", f"must be >= 0, got {self.prefix_cache_mb}")
         require(self.prefix_block_size > 0, "prefix_block_size", f"must be > 0, got {self.prefix_block_size}")
+
+
+def shared_prefix(config: PrefixCacheConfig, model: str, dtype: str, block_size: int) -> PrefixNamespace | None:
+    """The namespace a decode engine keys its shared prompt blocks in (`block_size`: its paged cache's),
+    or None with prefix caching off."""
+    if not config.prefix_caching:
+        return None
+    return PrefixNamespace(model, dtype, block_size, config.prefix_seed)
 
 
 def prefix_settings(config: PrefixCacheConfig) -> dict:

@@ -42,7 +42,7 @@ class ColocatedEngine:
 
     def hand_off(self, result: PrefillResult, seq: Sequence) -> None:
         """Writes a prefilled prompt's KV into the sequence's reserved blocks and starts decoding it."""
-        self.decode.kv_cache.write_prompt(seq.block_table, result.kv)
+        self.decode.load_prompt(seq, result.kv)
         seq.loaded_at = time.monotonic()
         self.decode.add(seq)
 

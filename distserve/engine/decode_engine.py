@@ -22,6 +22,8 @@ from distserve.engine.model_runner import DecodeWork, ModelRunner
 from distserve.engine.sampling import SampleRow, banned_token_ids, finish_reason_for, sample_tokens
 from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.sequence import Sequence
+from distserve.engine.shared_blocks import SharedBlocks
+from distserve.prefix_hash import PrefixNamespace, block_keys
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +59,13 @@ class NoCapacity(RuntimeError):
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, kv_cache: PagedKvCache, scheduler: DecodeScheduler,
                  eos_ids: tuple[int, ...], max_context: int, wakeup: asyncio.Event | None = None,
-                 grammars: LazyGrammarCompiler | None = None, turns: CoreTurns | NoTurns = NoTurns()):
+                 grammars: LazyGrammarCompiler | None = None, turns: CoreTurns | NoTurns = NoTurns(),
+                 prefix: PrefixNamespace | None = None):
         """`wakeup` is set whenever a sequence arrives or is aborted (pass a shared one when another
         loop, such as the colocated engine's, drives this engine instead of `run`). Each step runs in
-        one of `turns`' turns (cores shared with other workers; see distserve.engine.core_turns)."""
+        one of `turns`' turns (cores shared with other workers; see distserve.engine.core_turns).
+        With `prefix` (its block size the cache's), sequences share the full prompt blocks they have in
+        common (see load_prompt); None: each holds its own."""
         self.runner = runner
         self.kv_cache = kv_cache
         self.scheduler = scheduler
@@ -76,6 +81,25 @@ class DecodeEngine:
         self._step_compute_s = 0.0
         self.num_reserving = 0  # requests waiting for free blocks
         self.cost = CostMeter()  # seconds per decoded token (a step over its batch), published for the router
+        self._prefix = prefix
+        self.shared_blocks = SharedBlocks(scheduler.allocator) if prefix is not None else None
+
+    def load_prompt(self, seq: Sequence, kv: torch.Tensor) -> int:
+        """Writes a sequence's prompt KV kv [L, 2, T, Hkv, D] (its first T tokens) into its reserved
+        blocks. Full blocks whose KV a sequence here holds already are shared instead of written, and the
+        reserved blocks they replace are freed. Returns the tokens shared."""
+        if self.shared_blocks is None:
+            self.kv_cache.write_prompt(seq.block_table, kv)
+            return 0
+        num_tokens, block_size = kv.shape[2], self.kv_cache.block_size
+        keys = block_keys(seq.tokens[:num_tokens], block_size, self._prefix.seed(seq.params.cache_salt))
+        shared = self.shared_blocks.take(keys)
+        if shared:
+            own, seq.block_table[:len(shared)] = seq.block_table[:len(shared)], shared
+            self.scheduler.allocator.free(own)
+        self.kv_cache.write_prompt(seq.block_table, kv, start=len(shared) * block_size)
+        self.shared_blocks.add(keys[len(shared):], seq.block_table[len(shared):len(keys)])
+        return len(shared) * block_size
 
     async def reserve(self, num_blocks: int) -> list[int]:
         """Waits until num_blocks are free and takes them (callers bound the wait with a timeout)."""

@@ -34,6 +34,7 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._extra_refs: dict[int, int] = {}  # block -> holders beyond the first (absent: one holder)
         self.on_free = lambda: None  # called after every free(), e.g. to wake requests waiting for blocks
+        self.on_release = lambda blocks: None  # called with the blocks a free() returned to the free list
 
     @property
     def num_free(self) -> int:
@@ -71,6 +72,7 @@ class BlockAllocator:
                 released.append(block)
         self._free.extend(reversed(released))
         if released:
+            self.on_release(released)
             self.on_free()
 
 
@@ -151,14 +153,15 @@ class PagedKvCache:
             self.storage[:, :, own_blocks[0]] = self.storage[:, :, parent_table[num_full]]
         return parent_table[:num_full] + own_blocks
 
-    def write_prompt(self, table: list[int], kv: torch.Tensor) -> None:
-        """Copies a contiguous prompt KV into the sequence's blocks.
+    def write_prompt(self, table: list[int], kv: torch.Tensor, start: int = 0) -> None:
+        """Copies a contiguous prompt KV into the sequence's blocks, from token `start` on (the ones before
+        are in the table's blocks already).
 
         kv: [L, 2, T, H, D] (token-major, as prefill produces and sends it); table must hold at
         least ceil(T / block_size) blocks.
         """
-        slots = self._slots(table, kv.shape[2]).to(self.device)
-        self._slots_view[:, :, slots] = kv.to(self.device)
+        slots = self._slots(table, kv.shape[2])[start:].to(self.device)
+        self._slots_view[:, :, slots] = kv[:, :, start:].to(self.device)
 
     def gather(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """The sequences' KV right-padded with zeros to the longest: [L, 2, B, max_len, H, D].

@@ -20,6 +20,7 @@ from distserve.engine.model_runner import ModelRunner
 from distserve.engine.model_spec import DTYPES, ModelSpec
 from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
 from distserve.engine.prefix_cache import build_prefix_cache
+from distserve.prefix_config import shared_prefix
 from distserve.grpc_server import Service
 from distserve.metrics import PREFIX, ColocatedMetrics
 from distserve.registry import WorkerRecord
@@ -44,7 +45,8 @@ def build_decode_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelS
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
                             dtype, config.device)
     scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
-    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars)
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars,
+                        prefix=shared_prefix(config, config.model, config.dtype, config.block_size))
 
 
 def colocated_load(engine: ColocatedEngine, block_size: int) -> dict[str, float]:

@@ -33,7 +33,7 @@ from distserve.transfer.connector import KvConsumer
 from distserve.v1 import decode_pb2_grpc
 from services.colocated.build import also_colocated, build_prefill_side
 from services.colocated.config import ColocatedConfig
-from distserve.prefix_config import prefix_settings
+from distserve.prefix_config import prefix_settings, shared_prefix
 from services.decode.config import DecodeConfig
 from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
@@ -53,7 +53,8 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGra
     runner = ModelRunner(model)
     runner.warm_up()
     return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars=grammars,
-                        turns=core_turns(config.core_turns))
+                        turns=core_turns(config.core_turns),
+                        prefix=shared_prefix(config, config.model, config.dtype, config.block_size))
 
 
 async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:

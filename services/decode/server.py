@@ -253,7 +253,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         self._metrics.kv_transfer_time.observe(transfer_s)
         self._metrics.kv_transfer_bytes.inc(layout.num_bytes)
-        self._engine.kv_cache.write_prompt(seq.block_table, staging.to(self._engine.kv_cache.storage.device))
+        self._engine.load_prompt(seq, staging)
         log.info("kv_load request_id=%s handle=%s bytes=%d seconds=%.4f gbps=%.3f", seq.request_id,
                  handle.handle_id, layout.num_bytes, transfer_s, layout.num_bytes / max(transfer_s, 1e-9) / 1e9)
         return transfer_s

@@ -1,0 +1,86 @@
+"""Decode-side sharing of full prompt blocks: a sequence whose prompt starts like one already in the
+paged cache takes those blocks (reference-counted) instead of writing copies, frees the blocks it had
+reserved for them, and reads exactly the KV it would have written; a block leaves the index with its
+last holder."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.decode_scheduler import DecodeScheduler
+from distserve.engine.kv_cache import PagedKvCache
+from distserve.engine.sampling import SamplingParams
+from distserve.engine.sequence import Sequence
+from distserve.prefix_hash import PrefixNamespace
+
+BLOCK = 4
+
+
+def engine(shared: bool = True) -> DecodeEngine:
+    cache = PagedKvCache(num_layers=2, num_kv_heads=1, head_dim=2, num_blocks=16, block_size=BLOCK,
+                         dtype=torch.float32, device="cpu")
+    scheduler = DecodeScheduler(cache.allocator, block_size=BLOCK, max_running=8, max_context=1024)
+    prefix = PrefixNamespace("m", "float32", BLOCK) if shared else None
+    return DecodeEngine(None, cache, scheduler, eos_ids=(), max_context=1024, prefix=prefix)
+
+
+def sequence(tokens: list[int], table: list[int], salt: str = "") -> Sequence:
+    return Sequence("r", list(tokens), len(tokens) - 1, SamplingParams(cache_salt=salt), table, asyncio.Queue())
+
+
+def kv_of(tokens: list[int]) -> torch.Tensor:
+    """KV [L, 2, T, 1, 2] whose values name each token and position."""
+    values = torch.tensor([t * 100.0 + p for p, t in enumerate(tokens)])
+    return values[None, None, :, None, None].expand(2, 2, len(tokens), 1, 2).clone()
+
+
+def loaded(e: DecodeEngine, tokens: list[int], salt: str = "") -> tuple[Sequence, int]:
+    seq = sequence(tokens + [0], e.scheduler.allocator.allocate(4), salt)  # 4 blocks: 16 tokens of room
+    return seq, e.load_prompt(seq, kv_of(tokens))
+
+
+def test_a_second_sequence_shares_the_full_blocks_of_a_common_prefix_and_frees_its_own():
+    e = engine()
+    first, shared_first = loaded(e, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # blocks 0, 1 full; 2 partial
+    assert shared_first == 0 and e.shared_blocks.num_blocks == 2
+    used = e.scheduler.allocator.num_used
+    second, shared_second = loaded(e, [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13])
+    assert shared_second == 2 * BLOCK
+    assert second.block_table[:2] == first.block_table[:2] and second.block_table[2] != first.block_table[2]
+    assert e.scheduler.allocator.num_used == used + 4 - 2  # its two reserved copies went back
+    for seq, tokens in ((first, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), (second, [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13])):
+        assert torch.equal(e.kv_cache.gather([seq.block_table], [len(tokens)])[:, :, 0], kv_of(tokens))
+
+
+def test_a_shared_block_stays_listed_until_its_last_holder_frees_it():
+    e = engine()
+    allocator = e.scheduler.allocator
+    first, _ = loaded(e, list(range(1, 9)))
+    second, shared = loaded(e, list(range(1, 9)) + [50])
+    assert shared == 2 * BLOCK
+    allocator.free(first.block_table)
+    third, shared = loaded(e, list(range(1, 9)) + [60])
+    assert shared == 2 * BLOCK  # second still holds them
+    allocator.free(second.block_table)
+    allocator.free(third.block_table)
+    assert e.shared_blocks.num_blocks == 0 and allocator.num_used == 0
+    _, shared = loaded(e, list(range(1, 9)))
+    assert shared == 0
+
+
+def test_other_salts_and_other_positions_share_nothing():
+    e = engine()
+    loaded(e, list(range(1, 9)), salt="a")
+    assert loaded(e, list(range(1, 9)), salt="b")[1] == 0
+    assert loaded(e, [0] + list(range(1, 9)))[1] == 0  # the same tokens one position later
+    assert loaded(e, list(range(1, 9)), salt="a")[1] == 2 * BLOCK
+
+
+def test_without_a_namespace_every_sequence_writes_its_own():
+    e = engine(shared=False)
+    first, _ = loaded(e, list(range(1, 9)))
+    second, shared = loaded(e, list(range(1, 9)))
+    assert shared == 0 and not set(first.block_table) & set(second.block_table)
