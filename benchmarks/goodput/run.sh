@@ -15,18 +15,8 @@ ROOT=$(pwd)
 PEER_BENCH=${PEER_BENCH:-$(cd "$ROOT/.." && pwd)/shared/peer-bench}
 OUT=$1; IN=$2; OUTLEN=$3; RATES=$4; TTFT=$5; TPOT=$6; CONFIGS=${7:-"1p1d 2c"}; NUM=${8:-40}
 mkdir -p "$OUT"
-MODEL_DIR=$(.venv/bin/python -c "from distserve.engine.model_loader import resolve_model_path; print(resolve_model_path('default:small'))")
-NAME=distserve-small
-LOGS=$(mktemp -d)
-
-wait_health() {  # URL PID
-  for _ in $(seq 1 300); do
-    curl -sf -o /dev/null "$1/health" && return 0
-    kill -0 "$2" 2>/dev/null || { echo "server exited; logs in $LOGS" >&2; return 1; }
-    sleep 1
-  done
-  echo "not healthy: $1" >&2; return 1
-}
+# shellcheck source=../bench_env.sh
+. benchmarks/bench_env.sh  # MODEL_DIR, NAME, LOGS, wait_health
 
 start() {  # CONFIG -> prints the pid of the server's process group
   local flags

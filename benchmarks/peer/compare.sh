@@ -10,6 +10,7 @@
 #   VARIANTS="distserve distserve-nospill" bash benchmarks/peer/compare.sh ...  # also with --no-spill
 #   VARIANTS="distserve distserve-mark512" bash benchmarks/peer/compare.sh ...  # also spilling past 512 prompt tokens
 #   VARIANTS="distserve distserve-noprefix" bash benchmarks/peer/compare.sh ...  # also with prefix caching off
+#   VARIANTS="distserve distserve-colocated" bash benchmarks/peer/compare.sh ...  # also one colocated worker
 #   ROUNDS=3 bash benchmarks/peer/compare.sh ...  # 3 rounds, OUT_DIR/round1.., order alternating per round
 #   BENCH_ARGS="--random-prefix-len 768 --num-prompts 40" bash benchmarks/peer/compare.sh ...  # passed to
 #       every `vllm bench serve` run (here: every prompt starts with the same 768 tokens)
@@ -26,18 +27,8 @@ PEER_BENCH=${PEER_BENCH:-$(cd "$ROOT/.." && pwd)/shared/peer-bench}
 OUT=${1:-benchmarks/results/peer}; DTYPES=${2:-"float32 bfloat16"}; RATES=${3:-"4 inf"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the JSONs are written from the repo root, and an absolute OUT stays put
-MODEL_DIR=$(.venv/bin/python -c "from distserve.engine.model_loader import resolve_model_path; print(resolve_model_path('default:small'))")
-NAME=distserve-small
-LOGS=$(mktemp -d)
-
-wait_health() {  # URL PID
-  for _ in $(seq 1 300); do
-    curl -sf -o /dev/null "$1/health" && return 0
-    kill -0 "$2" 2>/dev/null || { echo "server exited; logs in $LOGS" >&2; return 1; }
-    sleep 1
-  done
-  echo "not healthy: $1" >&2; return 1
-}
+# shellcheck source=../bench_env.sh
+. benchmarks/bench_env.sh  # MODEL_DIR, NAME, LOGS, wait_health
 
 # Every run draws its prompts with its own seed (the last --seed wins over bench.sh's --seed 0): with one
 # seed, every run after the first re-sends the same prompts, and vLLM's prefix cache (on by default)
@@ -66,16 +57,17 @@ run_ours() {  # DTYPE
   # -lend: --lend-cores (and --no-spill);
   # -markN: the router's prefill spill mark at N prompt tokens (default 256)
   for system in ${VARIANTS:-distserve}; do
-    variant=(); mark=()
+    variant=(); mark=(); fleet=(--prefill 1 --decode 1)
     case "$system" in
       distserve-turns) variant=(--take-turns --no-spill) ;;
       distserve-lend) variant=(--lend-cores --no-spill) ;;
       distserve-nospill) variant=(--no-spill) ;;
       distserve-noprefix) variant=(--no-prefix-caching) ;;
+      distserve-colocated) fleet=(--prefill 0 --decode 0 --colocated 1) ;;
       distserve-spill) variant=(--spill) ;;
       distserve-mark*) mark=("DISTSERVE_ROUTER_SPILL_PREFILL_TOKENS=${system#distserve-mark}") ;;
     esac
-    env "${mark[@]}" setsid .venv/bin/distserve up --model default:small --dtype "$1" --prefill 1 --decode 1 "${variant[@]}" \
+    env "${mark[@]}" setsid .venv/bin/distserve up --model default:small --dtype "$1" "${fleet[@]}" "${variant[@]}" \
       --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system-$1" >"$LOGS/up-$system-$1.log" 2>&1 &
     pid=$!
     wait_health http://127.0.0.1:8000 "$pid"

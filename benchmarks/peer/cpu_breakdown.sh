@@ -7,6 +7,7 @@
 #   bash benchmarks/peer/cpu_breakdown.sh SYSTEM DTYPE RATE OUT_PREFIX
 #   bash benchmarks/peer/cpu_breakdown.sh distserve bfloat16 inf /tmp/cpu/ours_bf16_inf   # -> .json, .cpu.txt
 #   bash benchmarks/peer/cpu_breakdown.sh vllm bfloat16 inf /tmp/cpu/vllm_bf16_inf
+#   BENCH_ARGS="--random-prefix-len 768 --num-prompts 40" bash benchmarks/peer/cpu_breakdown.sh ...  # passed on
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PEER_BENCH=${PEER_BENCH:-$(cd .. && pwd)/shared/peer-bench}
@@ -26,6 +27,7 @@ fi
 trap 'kill -TERM -- -"$pid" 2>/dev/null || true' EXIT
 bash "$PEER_BENCH/bench.sh" "$URL" "$NAME" "$MODEL_DIR" inf "$LOGS/warmup.json" --num-prompts 8 --seed 1000 >/dev/null
 .venv/bin/python -m benchmarks.process_cpu snap "$LOGS/before.json"
-bash "$PEER_BENCH/bench.sh" "$URL" "$NAME" "$MODEL_DIR" "$RATE" "$OUT.json" --seed 1 >"$LOGS/bench.log"
+# shellcheck disable=SC2086  # BENCH_ARGS: words on purpose, e.g. "--random-prefix-len 768"
+bash "$PEER_BENCH/bench.sh" "$URL" "$NAME" "$MODEL_DIR" "$RATE" "$OUT.json" ${BENCH_ARGS:-} --seed 1 >"$LOGS/bench.log"
 .venv/bin/python -m benchmarks.process_cpu snap "$LOGS/after.json"
 .venv/bin/python -m benchmarks.process_cpu diff "$LOGS/before.json" "$LOGS/after.json" | tee "$OUT.cpu.txt"
