@@ -7,6 +7,7 @@ thread reads the batch it was given and writes only those sequences' blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -50,6 +51,18 @@ class StepStats:
 
 # A step's result: a token (or that sequence's error) per sequence, and logprobs where asked for.
 Sampled = tuple[list["int | Exception"], list["TokenLogprobs | None"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineUsage:
+    """What a decode engine holds, for load reports, stats and metrics."""
+
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    max_running_seen: int
 
 
 class NoCapacity(RuntimeError):
@@ -137,6 +150,25 @@ class DecodeEngine:
         """Tokens still to decode for the sequences here, at most: each one's max_tokens less what it has."""
         return sum(max(s.params.max_tokens - s.num_generated, 0)
                    for s in (*self.scheduler.running, *self.scheduler.waiting))
+
+    def usage(self) -> EngineUsage:
+        allocator, scheduler = self.scheduler.allocator, self.scheduler
+        return EngineUsage(allocator.num_blocks, allocator.num_used, allocator.num_free, len(scheduler.running),
+                           len(scheduler.waiting), scheduler.max_running_seen)
+
+    def fork_blocks(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks a completion forked from a prompt (n > 1) needs of its own: its whole life less the
+        prompt's full blocks, which it shares."""
+        return self.scheduler.blocks_for_life(prompt_len, max_tokens) - prompt_len // self.kv_cache.block_size
+
+    def fork(self, parent: Sequence, prompt_len: int, child: Sequence) -> None:
+        """Points the child's table (its fork_blocks reserved) at the parent's prompt KV: full blocks shared,
+        the partial one copied (see PagedKvCache.fork_table)."""
+        child.block_table = self.kv_cache.fork_table(parent.block_table, prompt_len, child.block_table)
+
+    def release(self, seq: Sequence) -> None:
+        """Frees the blocks reserved for a sequence that never joined the engine (its request ended first)."""
+        self.scheduler.allocator.free(seq.block_table)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -249,3 +281,22 @@ class DecodeEngine:
             seq.outputs.put_nowait(([token], seq.finish_reason, [token_logprobs] if token_logprobs else []))
         for seq in self.scheduler.retire_finished():
             seq.finished_at = time.monotonic()
+
+
+def build_decode_engine(runner: ModelRunner, spec, dtype: str, device: str, *, block_size: int, kv_cache_mb: int,
+                        max_running: int, reserve_ahead_tokens: int = 0, wakeup: asyncio.Event | None = None,
+                        grammars: LazyGrammarCompiler | None = None, turns: CoreTurns | NoTurns = NoTurns(),
+                        prefix: PrefixNamespace | None = None) -> DecodeEngine:
+    """A decode engine over `runner` with a paged cache of kv_cache_mb MiB in blocks of block_size tokens
+    (`spec`: the model's ModelSpec; `dtype`: the KV dtype's name). reserve_ahead_tokens 0: every sequence
+    reserves its whole life on arrival, so none is ever preempted. The one place a decode side is built,
+    for decode workers and colocated halves alike."""
+    from distserve.engine.kv_cache import blocks_in_budget
+    from distserve.engine.model_spec import DTYPES
+
+    num_blocks = blocks_in_budget(kv_cache_mb, spec.kv_bytes_per_token(DTYPES[dtype]), block_size)
+    kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size,
+                            DTYPES[dtype], device)
+    scheduler = DecodeScheduler(kv_cache.allocator, block_size, max_running, spec.max_context, reserve_ahead_tokens)
+    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars, turns,
+                        prefix)

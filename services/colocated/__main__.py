@@ -54,18 +54,17 @@ async def serve(config: ColocatedConfig) -> None:
     worker_id = config.resolved_worker_id
 
     def record() -> WorkerRecord:
-        scheduler, prefill = engine.decode.scheduler, engine.prefill
-        allocator = scheduler.allocator
-        metrics.kv_usage.set(allocator.num_used / allocator.num_blocks)
-        metrics.running.set(len(scheduler.running))
-        metrics.waiting.set(prefill.num_waiting)
+        usage = engine.decode.usage()
+        metrics.kv_usage.set(usage.num_used_blocks / usage.num_blocks)
+        metrics.running.set(usage.num_running)
+        metrics.waiting.set(engine.prefill.num_waiting)
         return WorkerRecord(worker_id, "colocated", f"{config.advertise_host}:{config.port}", "",
                             colocated_load(engine, config.block_size), spec.kv_format(config.dtype))
 
     service = Service(colocated_pb2_grpc.add_ColocatedServiceServicer_to_server, servicer,
                       "distserve.v1.ColocatedService")
     log.info("colocated worker %s: blocks=%d max_batch_tokens=%d model=%s", worker_id,
-             engine.decode.scheduler.allocator.num_blocks, engine.max_batch_tokens, path)
+             engine.decode.usage().num_blocks, engine.max_batch_tokens, path)
     try:
         await serve_worker(f"{config.host}:{config.port}", [service], registry, [record], config.heartbeat_s,
                            [engine.run], config.grace_s, config.drain_s, tls=config)

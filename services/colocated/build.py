@@ -12,12 +12,10 @@ import asyncio
 from typing import Callable
 
 from distserve.engine.colocated_engine import ColocatedEngine
-from distserve.engine.decode_engine import DecodeEngine
-from distserve.engine.decode_scheduler import DecodeScheduler
+from distserve.engine.decode_engine import DecodeEngine, build_decode_engine
 from distserve.engine.grammars import LazyGrammarCompiler
-from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import DTYPES, ModelSpec
+from distserve.engine.model_spec import ModelSpec
 from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
 from distserve.engine.prefix_cache import build_prefix_cache
 from distserve.prefix_config import shared_prefix
@@ -40,23 +38,20 @@ def build_decode_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelS
                       grammars: LazyGrammarCompiler, wakeup: asyncio.Event) -> DecodeEngine:
     """A decode engine with its own paged cache of config.kv_cache_mb; every sequence reserves its
     whole life on arrival (no reserve-ahead), so none is ever preempted."""
-    dtype = DTYPES[config.dtype]
-    num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
-    kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
-                            dtype, config.device)
-    scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context)
-    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars,
-                        prefix=shared_prefix(config, config.model, config.dtype, config.block_size))
+    return build_decode_engine(runner, spec, config.dtype, config.device, block_size=config.block_size,
+                               kv_cache_mb=config.kv_cache_mb, max_running=config.max_running, wakeup=wakeup,
+                               grammars=grammars,
+                               prefix=shared_prefix(config, config.model, config.dtype, config.block_size))
 
 
 def colocated_load(engine: ColocatedEngine, block_size: int) -> dict[str, float]:
     """What the router compares across colocated workers and prefill/decode pairs: queued prompt tokens
     and decode tokens, and what each costs this worker (seconds per token, 0 until measured)."""
-    scheduler, prefill, decode = engine.decode.scheduler, engine.prefill, engine.decode
-    allocator = scheduler.allocator
+    prefill, decode = engine.prefill, engine.decode
+    usage = decode.usage()
     return {"outstanding_tokens": prefill.outstanding_tokens, "num_waiting": prefill.num_waiting,
-            "num_running": len(scheduler.running), "free_blocks": allocator.num_free,
-            "total_blocks": allocator.num_blocks, "block_size": block_size,
+            "num_running": usage.num_running, "free_blocks": usage.num_free_blocks,
+            "total_blocks": usage.num_blocks, "block_size": block_size,
             "decode_tokens_left": decode.tokens_left, "prefill_s_per_token": prefill.cost.per_unit,
             "decode_s_per_token": decode.cost.per_unit}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 
@@ -65,7 +64,7 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
                 self._record_finish(seq)
             finally:
                 if not in_engine:
-                    self._engine.decode.scheduler.allocator.free(seq.block_table)
+                    self._engine.decode.release(seq)
                 elif seq.finish_reason is None:
                     self._engine.decode.abort(seq)
 
@@ -113,10 +112,10 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
                  seq.finished_at - seq.started_at)
 
     async def GetColocatedStats(self, request, context):
-        scheduler = self._engine.decode.scheduler
+        usage = self._engine.decode.usage()
         return colocated_pb2.GetColocatedStatsResponse(
             worker_id=self._config.resolved_worker_id,
-            num_used_blocks=scheduler.allocator.num_used, num_total_blocks=scheduler.allocator.num_blocks,
-            num_running=len(scheduler.running), num_waiting=self._engine.prefill.num_waiting,
-            num_steps=self._engine.num_steps, max_running=scheduler.max_running_seen,
+            num_used_blocks=usage.num_used_blocks, num_total_blocks=usage.num_blocks,
+            num_running=usage.num_running, num_waiting=self._engine.prefill.num_waiting,
+            num_steps=self._engine.num_steps, max_running=usage.max_running_seen,
         )

@@ -17,11 +17,10 @@ from distserve.cpus import apply_cpus, lower_priority
 from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.core_turns import core_turns
 from distserve.engine.dtype import resolve_dtype
-from distserve.engine.kv_cache import PagedKvCache, blocks_in_budget
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import DTYPES, ModelSpec, load_model_spec
+from distserve.engine.model_spec import ModelSpec, load_model_spec
 from distserve.grpc_server import ChannelPool, Service
 from distserve.logs import setup_logging
 from distserve.metrics import PREFIX, DecodeMetrics, serve_metrics, watch_prefix_cache
@@ -35,8 +34,7 @@ from services.colocated.build import also_colocated, build_prefill_side
 from services.colocated.config import ColocatedConfig
 from distserve.prefix_config import prefix_settings, shared_prefix
 from services.decode.config import DecodeConfig
-from distserve.engine.decode_engine import DecodeEngine
-from distserve.engine.decode_scheduler import DecodeScheduler
+from distserve.engine.decode_engine import DecodeEngine, build_decode_engine
 from services.decode.server import DecodeServicer
 
 log = logging.getLogger(__name__)
@@ -44,17 +42,13 @@ log = logging.getLogger(__name__)
 
 def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGrammarCompiler,
                  wakeup: asyncio.Event | None = None) -> DecodeEngine:
-    dtype = DTYPES[config.dtype]
-    num_blocks = blocks_in_budget(config.kv_cache_mb, spec.kv_bytes_per_token(dtype), config.block_size)
-    kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, config.block_size,
-                            dtype, config.device)
-    scheduler = DecodeScheduler(kv_cache.allocator, config.block_size, config.max_running, spec.max_context,
-                                config.reserve_ahead_tokens)
     runner = ModelRunner(model)
     runner.warm_up()
-    return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars=grammars,
-                        turns=core_turns(config.core_turns),
-                        prefix=shared_prefix(config, config.model, config.dtype, config.block_size))
+    return build_decode_engine(
+        runner, spec, config.dtype, config.device, block_size=config.block_size, kv_cache_mb=config.kv_cache_mb,
+        max_running=config.max_running, reserve_ahead_tokens=config.reserve_ahead_tokens, wakeup=wakeup,
+        grammars=grammars, turns=core_turns(config.core_turns),
+        prefix=shared_prefix(config, config.model, config.dtype, config.block_size))
 
 
 async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:
@@ -89,14 +83,14 @@ async def serve(config: DecodeConfig) -> None:
     worker_id = config.resolved_worker_id
 
     def record() -> WorkerRecord:
-        allocator = engine.scheduler.allocator
-        load = {"num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
-                "free_blocks": allocator.num_free, "total_blocks": allocator.num_blocks,
+        usage = engine.usage()
+        load = {"num_running": usage.num_running, "num_waiting": usage.num_waiting,
+                "free_blocks": usage.num_free_blocks, "total_blocks": usage.num_blocks,
                 "block_size": config.block_size, "num_reserving": engine.num_reserving,
                 "max_reserving": config.max_waiting_for_blocks}
-        metrics.kv_usage.set(allocator.num_used / allocator.num_blocks)
-        metrics.running.set(len(engine.scheduler.running))
-        metrics.waiting.set(len(engine.scheduler.waiting))
+        metrics.kv_usage.set(usage.num_used_blocks / usage.num_blocks)
+        metrics.running.set(usage.num_running)
+        metrics.waiting.set(usage.num_waiting)
         return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load,
                             spec.kv_format(config.dtype))
 
@@ -116,7 +110,7 @@ async def serve(config: DecodeConfig) -> None:
         services.append(service)
         records.append(spill_record)
         loop = colocated.run
-    log.info("decode worker %s: blocks=%d model=%s%s", worker_id, engine.scheduler.allocator.num_blocks, path,
+    log.info("decode worker %s: blocks=%d model=%s%s", worker_id, engine.usage().num_blocks, path,
              " (also colocated)" if config.also_colocated else "")
     try:
         await serve_worker(f"{config.host}:{config.port}", services, registry, records, config.heartbeat_s,

@@ -149,13 +149,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     first.context_len, first.params.max_tokens - first.num_generated + 1,
                     len(request.output_token_ids) > 1 or len(request.starts) > 1, context)
                 for seq in seqs[1:]:
-                    seq.block_table = await self._reserve_exact(self._fork_blocks(len(prompt), seq), context)
+                    seq.block_table = await self._reserve_exact(
+                        self._engine.fork_blocks(len(prompt), seq.params.max_tokens), context)
                 handle = await self._claim(request, context)
                 owns_handle = True
                 transfer_s = await self._load_kv(handle, first, request.kv_secret, context)
                 for seq in seqs[1:]:
-                    seq.block_table = self._engine.kv_cache.fork_table(first.block_table, len(prompt),
-                                                                       seq.block_table)
+                    self._engine.fork(first, len(prompt), seq)
             release = self._broker.release_soon(request.kv_handle_id, "received", rid)
             owns_handle = False
             for seq in seqs:
@@ -184,12 +184,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     if seq.finish_reason is None:
                         self._engine.abort(seq)
                 else:
-                    self._engine.scheduler.allocator.free(seq.block_table)
-
-    def _fork_blocks(self, prompt_len: int, seq: Sequence) -> int:
-        """Blocks a forked completion needs of its own: its whole life less the prompt's full blocks."""
-        shared = prompt_len // self._engine.kv_cache.block_size
-        return self._engine.scheduler.blocks_for_life(prompt_len, seq.params.max_tokens) - shared
+                    self._engine.release(seq)
 
     def _streams(self, seqs: list[Sequence], transfer_s: float):
         """(which sequence, message) as they come; one sequence is streamed without merging's task hop."""
@@ -283,12 +278,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                  seq.finished_at - seq.started_at)
 
     async def GetDecodeStats(self, request, context):
-        scheduler = self._engine.scheduler
+        usage = self._engine.usage()
         return decode_pb2.GetDecodeStatsResponse(
             worker_id=self._config.resolved_worker_id,
             kv_bytes_received=self._receiver.counters.num_bytes,
             kv_transfers_received=self._receiver.counters.num_transfers,
-            num_used_blocks=scheduler.allocator.num_used, num_total_blocks=scheduler.allocator.num_blocks,
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            max_running=scheduler.max_running_seen,
+            num_used_blocks=usage.num_used_blocks, num_total_blocks=usage.num_blocks,
+            num_running=usage.num_running, num_waiting=usage.num_waiting, max_running=usage.max_running_seen,
         )

@@ -84,3 +84,22 @@ def test_without_a_namespace_every_sequence_writes_its_own():
     first, _ = loaded(e, list(range(1, 9)))
     second, shared = loaded(e, list(range(1, 9)))
     assert shared == 0 and not set(first.block_table) & set(second.block_table)
+
+
+def test_the_engine_builder_and_its_accounting():
+    from distserve.engine.decode_engine import build_decode_engine
+    from tests.builders import model_spec
+
+    spec = model_spec(max_context=64, num_layers=2, num_kv_heads=1, head_dim=2)  # kv_of's shape
+    e = build_decode_engine(None, spec, "float32", "cpu", block_size=BLOCK, kv_cache_mb=1, max_running=4,
+                            prefix=PrefixNamespace("m", "float32", BLOCK))
+    total = e.usage().num_blocks
+    assert e.usage().num_used_blocks == 0 and e.usage().num_free_blocks == total and e.shared_blocks is not None
+    assert e.fork_blocks(prompt_len=10, max_tokens=6) == 4 - 2  # 16 tokens: 4 blocks, 2 full prompt blocks shared
+    parent, _ = loaded(e, list(range(1, 11)))
+    child = sequence(list(range(1, 11)) + [0], e.scheduler.allocator.allocate(e.fork_blocks(10, 6)))
+    e.fork(parent, 10, child)
+    assert child.block_table[:2] == parent.block_table[:2]
+    e.release(parent)
+    e.release(child)
+    assert e.usage().num_used_blocks == 0
