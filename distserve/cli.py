@@ -56,7 +56,8 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control-cpus", default="auto",
                         help="cores for the router, gateway, kvbroker and Redis, e.g. 3; auto (default): cores no "
                              "worker was given, else the decode workers'; any: not pinned. On 2 cores, 1+1, bf16, "
-                             "4 req/s, the decode core measured TTFT p50 -6 to -19 ms at the same TPOT (docs/engine.md, Cores)")
+                             "4 req/s, the decode core measured TTFT p50 -6 to -19 ms at the same TPOT "
+                             "(docs/engine.md, Cores)")
     parser.add_argument("--prefill", type=int, default=None,
                         help="number of prefill workers (default: 1, or 0 with --colocated)")
     parser.add_argument("--decode", type=int, default=None,

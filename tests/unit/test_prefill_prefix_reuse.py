@@ -77,7 +77,8 @@ async def test_prompts_arriving_together_compute_their_shared_prefix_once(runner
 
 
 async def test_eviction_under_pressure_keeps_output_exact(runner):
-    prompts = [p for pair in zip(prompts_sharing(3 * BLOCK, 3), prompts_sharing(2 * BLOCK + 1, 3, seed=4)) for p in pair]
+    families = zip(prompts_sharing(3 * BLOCK, 3), prompts_sharing(2 * BLOCK + 1, 3, seed=4))
+    prompts = [p for pair in families for p in pair]  # the two families alternate
     plain = await prefill_all(runner, prompts, 256)
     cache = make_cache(runner, 4)  # room for one prompt's prefix at a time
     cached = await prefill_all(runner, prompts, 256, cache)
