@@ -122,6 +122,7 @@ class PrefixCache:
         """Caches the full blocks of a computed prompt, kv [L, 2, T, Hkv, D] whose full blocks `keys`
         name, that are not cached yet; evicts unpinned blocks as needed. Returns how many it stored."""
         with self._lock:
+            self._touch_chain(keys)  # the chain's cached blocks are not what this store evicts
             todo = [(i, key) for i, key in enumerate(keys) if key not in self._block_of]
             taken = []
             for _ in todo:
@@ -134,11 +135,20 @@ class PrefixCache:
         for (i, _), block in zip(todo, taken):
             self.storage[:, :, block] = kv[:, :, i * bs:(i + 1) * bs]
         with self._lock:
-            for (_, key), block in reversed(list(zip(todo, taken))):
+            for (_, key), block in zip(todo, taken):
                 self._block_of[key], self._key_of[block] = block, key
                 self._lru[block] = None
+            self._touch_chain(keys)
             self.stats.stored_blocks += len(taken)
         return len(taken)
+
+    def _touch_chain(self, keys: list[bytes]) -> None:
+        """Makes the chain's unpinned cached blocks the most recently used, its tail the oldest of them
+        (evicted first). Under the lock."""
+        for key in reversed(keys):
+            block = self._block_of.get(key)
+            if block is not None and block in self._lru:
+                self._lru.move_to_end(block)
 
     def _take_block(self) -> int | None:
         """A block to write: a free one, else the least recently used unpinned one (evicted). Under the lock."""

@@ -128,3 +128,15 @@ def test_salted_prompts_do_not_share_blocks():
 def test_blocks_in_a_budget():
     assert prefix_cache_blocks(1, 1024, 16) == 64
     assert prefix_cache_blocks(0, 1024, 16) == 0
+
+
+def test_storing_a_longer_chain_never_evicts_its_own_cached_head():
+    cache = make_cache(4)
+    first = list(range(1, 9))  # two blocks
+    store_prompt(cache, first)
+    store_prompt(cache, [9] * 8)  # fills the pool: first's blocks are now the oldest
+    longer = first + [7] * 4  # first's two blocks, then one more
+    assert cache.store(cache.keys(longer), prompt_kv(longer)) == 1
+    hit = cache.lookup(cache.keys(longer + [0]), 13)
+    assert hit.num_tokens == 12  # the whole chain survived: the other prompt's tail was evicted
+    cache.release(hit)
