@@ -42,6 +42,17 @@ class PrefixNamespace:
         return hashlib.sha256("\x00".join(fields).encode()).digest()
 
 
+def longest_run(keys: list[bytes], block_of: dict[bytes, int]) -> list[int]:
+    """The blocks `block_of` maps the longest run of `keys` from the first to, in order."""
+    blocks = []
+    for key in keys:
+        block = block_of.get(key)
+        if block is None:
+            break
+        blocks.append(block)
+    return blocks
+
+
 def _token_bytes(token_ids: list[int]) -> bytes:
     packed = array.array("I", token_ids)  # uint32: every vocabulary fits; negative ids raise
     if sys.byteorder != "little":

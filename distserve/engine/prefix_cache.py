@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from distserve.prefix_hash import PrefixNamespace, block_keys
+from distserve.prefix_hash import PrefixNamespace, block_keys, longest_run
 
 
 @dataclasses.dataclass
@@ -81,12 +81,7 @@ class PrefixCache:
         Counts nothing: `count_query` records the look-up whose result a prompt used."""
         usable = keys[:(num_prompt_tokens - 1) // self.block_size]
         with self._lock:
-            blocks = []
-            for key in usable:
-                block = self._block_of.get(key)
-                if block is None:
-                    break
-                blocks.append(block)
+            blocks = longest_run(usable, self._block_of)
             for block in blocks:
                 self._lru.pop(block, None)
                 self._refs[block] = self._refs.get(block, 0) + 1

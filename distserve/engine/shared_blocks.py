@@ -11,6 +11,7 @@ says. Event-loop only, like the allocator.
 from __future__ import annotations
 
 from distserve.engine.kv_cache import BlockAllocator
+from distserve.prefix_hash import longest_run
 
 
 class SharedBlocks:
@@ -27,12 +28,7 @@ class SharedBlocks:
     def take(self, keys: list[bytes]) -> list[int]:
         """The listed blocks of the longest run of `keys` from the first, each with one more holder (the
         caller frees them once, as its own)."""
-        blocks = []
-        for key in keys:
-            block = self._block_of.get(key)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = longest_run(keys, self._block_of)
         self._allocator.share(blocks)
         return blocks
 
