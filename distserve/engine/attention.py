@@ -60,11 +60,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks,
         if first == 0 and (window is None or end <= window):
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         else:
-            positions = torch.arange(first, end, device=q.device)
-            mask = _window_mask(positions, end, window)  # [count, end]
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=_chunk_mask(chunk, first, window, q.dtype),
+                                               enable_gqa=True)
         out[out_rows] = o[0].transpose(0, 1).reshape(count, -1)  # [count, H * D]
     return out
+
+
+def _chunk_mask(chunk, first: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [count, end] (0 where query i at position first + i may see key j, -inf
+    elsewhere) for a chunk's queries from position `first`, built once per step: every layer reuses it.
+    Additive in the model dtype rather than boolean: SDPA's CPU kernel then skips converting it per call
+    (a 256-query chunk after 768 cached tokens, bf16: 2.75 -> 2.54 ms per layer; 2.93 built per call)."""
+    key = (first, window)
+    if key not in chunk.masks:
+        end = chunk.position + chunk.length
+        allowed = _window_mask(torch.arange(first, end, device=chunk.kv.device), end, window)
+        chunk.masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=chunk.kv.device).masked_fill_(
+            ~allowed, float("-inf"))
+    return chunk.masks[key]
 
 
 def prefill_kernel(q: torch.Tensor):

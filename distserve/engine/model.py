@@ -39,6 +39,8 @@ class PrefillChunk:
     length: int  # tokens in the chunk
     position: int  # the first token's position in its prompt (tokens before it are already in kv)
     kv: torch.Tensor  # the prompt's KV buffer [L, 2, T_prompt, Hkv, D]; this chunk fills [position, position+length)
+    # attention masks built for this chunk, by (first query position, window): every layer reuses them
+    masks: dict = dataclasses.field(default_factory=dict)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +9,7 @@ import torch.nn.functional as F
 from distserve.engine.attention import PagedDecodeAttention, decode_mask, paged_attention, prefill_attention
 from distserve.engine.cpu_kernels import cpu_kernels
 from distserve.engine.kv_cache import PagedKvCache, blocks_needed
+from distserve.engine.model import PrefillChunk
 from tests.kernel_support import compiled_op
 
 BLOCK_SIZE = 4
@@ -81,12 +80,12 @@ def test_chunked_prefill_attention_equals_one_causal_pass(window):
     k = torch.randn(total, kv_heads, head_dim, generator=generator)
     v = torch.randn(total, kv_heads, head_dim, generator=generator)
     whole_kv = torch.empty(1, 2, total, kv_heads, head_dim)
-    whole = prefill_attention(q, k, v, [types.SimpleNamespace(start=0, length=total, position=0, kv=whole_kv)],
+    whole = prefill_attention(q, k, v, [PrefillChunk(start=0, length=total, position=0, kv=whole_kv)],
                               0, window)
     chunked_kv = torch.empty_like(whole_kv)
     pieces = []
     for begin, end in [(0, 7), (7, 8), (8, 23)]:  # each chunk its own packed batch
-        chunk = types.SimpleNamespace(start=0, length=end - begin, position=begin, kv=chunked_kv)
+        chunk = PrefillChunk(start=0, length=end - begin, position=begin, kv=chunked_kv)
         pieces.append(prefill_attention(q[begin:end], k[begin:end], v[begin:end], [chunk], 0, window))
 
     torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=1e-5)
@@ -106,9 +105,9 @@ def test_packed_prompts_do_not_attend_to_each_other():
     k = torch.randn(10, 2, 4, generator=generator)
     v = torch.randn(10, 2, 4, generator=generator)
     buffers = [torch.empty(1, 2, 3, 2, 4), torch.empty(1, 2, 7, 2, 4)]
-    packed = prefill_attention(q, k, v, [types.SimpleNamespace(start=0, length=3, position=0, kv=buffers[0]),
-                                         types.SimpleNamespace(start=3, length=7, position=0, kv=buffers[1])], 0, None)
-    alone = prefill_attention(q[3:], k[3:], v[3:], [types.SimpleNamespace(start=0, length=7, position=0,
+    packed = prefill_attention(q, k, v, [PrefillChunk(start=0, length=3, position=0, kv=buffers[0]),
+                                         PrefillChunk(start=3, length=7, position=0, kv=buffers[1])], 0, None)
+    alone = prefill_attention(q[3:], k[3:], v[3:], [PrefillChunk(start=0, length=7, position=0,
                                                                          kv=torch.empty(1, 2, 7, 2, 4))], 0, None)
     torch.testing.assert_close(packed[3:], alone)
 
