@@ -179,6 +179,12 @@ class PrefillBatcher:
     def outstanding_tokens(self) -> int:
         return self.num_running_tokens + sum(p.num_remaining for p in self._waiting)
 
+    def prefix_load(self) -> dict[str, int]:
+        """What a router needs to estimate this worker's cache hits (distserve.prefix_index): its block
+        size and capacity in blocks; empty with the cache off."""
+        cache = self.prefix_cache
+        return {} if cache is None else {"prefix_block_size": cache.block_size, "prefix_cache_blocks": cache.num_blocks}
+
     async def submit(self, prompt: list[int], params: SamplingParams, next_token: int | None = None,
                      num_completions: int = 1) -> PrefillResult:
         """Queues a prompt and waits for its result; cancelling drops it from the queue.

@@ -53,7 +53,7 @@ def colocated_load(engine: ColocatedEngine, block_size: int) -> dict[str, float]
             "num_running": usage.num_running, "free_blocks": usage.num_free_blocks,
             "total_blocks": usage.num_blocks, "block_size": block_size,
             "decode_tokens_left": decode.tokens_left, "prefill_s_per_token": prefill.cost.per_unit,
-            "decode_s_per_token": decode.cost.per_unit}
+            "decode_s_per_token": decode.cost.per_unit, **prefill.prefix_load()}
 
 
 def also_colocated(config: ColocatedConfig, spec: ModelSpec, engine: ColocatedEngine,

@@ -97,7 +97,7 @@ async def serve(config: PrefillConfig) -> None:
     def record() -> WorkerRecord:
         load = {"outstanding_tokens": batcher.outstanding_tokens, "num_waiting": batcher.num_waiting,
                 "held_bytes": held.num_bytes, "max_held_bytes": held.max_bytes,
-                "max_queued_tokens": batcher.max_queued_tokens}
+                "max_queued_tokens": batcher.max_queued_tokens, **batcher.prefix_load()}
         metrics.waiting.set(batcher.num_waiting)
         metrics.running.set(batcher.num_running)
         metrics.held_bytes.set(held.num_bytes)

@@ -18,6 +18,11 @@ is a long burst (SpillPolicy.burst_tokens, when both cores should prefill): each
 as a whole prefill, which stalls its decode batch. At
 light load every request keeps to the pairs, whose decode steps no prompt lengthens; under a burst
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
+
+Prefix caches: a prompt costs a worker only its tokens that worker has not cached. The router keeps
+an estimate of each worker's cached blocks (distserve.prefix_index: the prompts it routed there), and
+every choice above weighs a worker's queue plus this prompt's uncached tokens there; the in-flight
+count adds the uncached tokens too, as the worker reports its own queue.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from distserve.prefix_index import PrefixIndex, PromptBlocks
 from distserve.redis_client import raise_if_cancelled
 from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.spill_policy import SpillPolicy
@@ -48,10 +54,12 @@ SPILL_HOLD_S = 1.0
 
 
 class WorkerPicker:
-    def __init__(self, registry: WorkerRegistry, suspect_s: float, spill: SpillPolicy = SpillPolicy()):
+    def __init__(self, registry: WorkerRegistry, suspect_s: float, spill: SpillPolicy = SpillPolicy(),
+                 prefix: PrefixIndex | None = None):
         self._registry = registry
         self._suspect_s = suspect_s
         self._spill = spill
+        self.prefix = prefix or PrefixIndex()
         self._workers: dict[str, list[WorkerRecord]] = {"prefill": [], "decode": [], "colocated": []}
         # this router's work in flight per worker id, one counter per kind: a worker's spill-only
         # colocated record shares its id (and its queue and batch) with its prefill or decode record
@@ -64,6 +72,7 @@ class WorkerPicker:
     async def refresh(self) -> None:
         for role in self._workers:
             self._workers[role] = await self._registry.list(role)
+        self.prefix.retain({w.worker_id for records in self._workers.values() for w in records})
 
     async def run_refresh(self, interval_s: float) -> None:
         while True:
@@ -83,11 +92,26 @@ class WorkerPicker:
         healthy = [w for w in self._workers[role] if self._suspect_until.get(w.worker_id, 0) <= now]
         return healthy or list(self._workers[role])
 
-    def pick_prefill(self, num_tokens: int = 0) -> WorkerRecord | None:
-        """The prefill worker with the fewest outstanding prompt tokens among those with room for
-        num_tokens more; None when none has (see `prefill_has_room`)."""
-        roomy = [w for w in self.workers("prefill") if self.prefill_has_room(w, num_tokens)]
-        return min(roomy, default=None, key=self._prompt_tokens_ahead)
+    def cached_tokens(self, w: WorkerRecord, prompt: PromptBlocks | None) -> int:
+        """The prompt's tokens the worker is expected to have cached (0 where it caches nothing)."""
+        block_size = int(w.load.get("prefix_block_size", 0))
+        if prompt is None or not block_size:
+            return 0
+        return self.prefix.cached_blocks(w.worker_id, prompt.keys(block_size)) * block_size
+
+    def remember(self, w: WorkerRecord, prompt: PromptBlocks | None) -> None:
+        """Records that the prompt was routed to w, whose prefix cache will hold its full blocks."""
+        block_size = int(w.load.get("prefix_block_size", 0))
+        if prompt is not None and block_size:
+            self.prefix.record(w.worker_id, prompt.keys(block_size), int(w.load.get("prefix_cache_blocks", 0)))
+
+    def pick_prefill(self, num_tokens: int = 0, prompt: PromptBlocks | None = None) -> WorkerRecord | None:
+        """The prefill worker that would reach a num_tokens prompt soonest: the fewest outstanding prompt
+        tokens plus the prompt's tokens it has not cached, among those with room for those; None when
+        none has (see `prefill_has_room`)."""
+        uncached = {w.worker_id: num_tokens - self.cached_tokens(w, prompt) for w in self.workers("prefill")}
+        roomy = [w for w in self.workers("prefill") if self.prefill_has_room(w, uncached[w.worker_id])]
+        return min(roomy, default=None, key=lambda w: self._prompt_tokens_ahead(w) + uncached[w.worker_id])
 
     def _prompt_tokens_ahead(self, w: WorkerRecord) -> float:
         """Prompt tokens a worker has outstanding: its report plus what this router sent since (a
@@ -105,11 +129,11 @@ class WorkerPicker:
         return not ((queue_cap and queued and queued + num_tokens > queue_cap)
                     or (held_cap and load.get("held_bytes", 0) >= held_cap))
 
-    def pick_colocated(self, num_tokens: int = 0) -> WorkerRecord | None:
-        """The colocated worker with the fewest outstanding prompt tokens (then fewest decoding) whose
-        KV cache can hold num_tokens at all."""
+    def pick_colocated(self, num_tokens: int = 0, prompt: PromptBlocks | None = None) -> WorkerRecord | None:
+        """The colocated worker with the fewest outstanding prompt tokens less the prompt's cached ones
+        (then fewest decoding) whose KV cache can hold num_tokens at all."""
         def score(w: WorkerRecord):
-            return self._prompt_tokens_ahead(w), w.load.get("num_running", 0)
+            return self._prompt_tokens_ahead(w) - self.cached_tokens(w, prompt), w.load.get("num_running", 0)
 
         return min(self._colocated_fitting(num_tokens, spill_only=False), default=None, key=score)
 
@@ -118,14 +142,14 @@ class WorkerPicker:
         return [w for w in self.workers("colocated") if bool(w.load.get("spill_only")) == spill_only
                 and w.load.get("total_blocks", float("inf")) * w.load.get("block_size", 1) >= num_tokens]
 
-    def pick_spill(self, prompt_tokens: int, num_tokens: int) -> WorkerRecord | None:
+    def pick_spill(self, prompt_tokens: int, num_tokens: int, prompt: PromptBlocks | None = None) -> WorkerRecord | None:
         """The spill-only colocated worker to take a whole request (num_tokens of KV, prompt_tokens of
         them prompt), or None: none can hold it, or the pairs are not saturated (module docstring)."""
-        saturated = self.saturated_sides(prompt_tokens, num_tokens)
+        saturated = self.saturated_sides(prompt_tokens, num_tokens, prompt)
         spill = self._colocated_fitting(num_tokens, spill_only=True)
         if not saturated or not spill:
             return None
-        busy = self.busy_seconds(spill)
+        busy = self.busy_seconds(spill, prompt)
         if len(saturated) > 1:
             return min(spill, key=lambda w: busy[w.worker_id])
         side = next(iter(saturated))
@@ -164,14 +188,15 @@ class WorkerPicker:
         except (aioredis.RedisError, OSError) as exc:
             log.warning("could not mark spilling in the registry: %s", exc)
 
-    def pairs_saturated(self, prompt_tokens: int, num_tokens: int) -> bool:
+    def pairs_saturated(self, prompt_tokens: int, num_tokens: int, prompt: PromptBlocks | None = None) -> bool:
         """Whether the prefill/decode path is past SpillPolicy's marks on either side."""
-        return bool(self.saturated_sides(prompt_tokens, num_tokens))
+        return bool(self.saturated_sides(prompt_tokens, num_tokens, prompt))
 
-    def saturated_sides(self, prompt_tokens: int, num_tokens: int) -> frozenset[str]:
+    def saturated_sides(self, prompt_tokens: int, num_tokens: int,
+                        prompt: PromptBlocks | None = None) -> frozenset[str]:
         """The sides of the prefill/decode path past SpillPolicy's marks: its least-loaded prefill worker's
         outstanding prompt tokens, its least-loaded decode worker's sequences (none with room counts)."""
-        prefill = self.pick_prefill(prompt_tokens)
+        prefill = self.pick_prefill(prompt_tokens, prompt)
         if prefill is None:
             return frozenset({"prefill"})
         decode = self.pick_decode(num_tokens, prefill.kv_format)
@@ -184,8 +209,9 @@ class WorkerPicker:
                       self._inflight_streams[decode.worker_id])
         return self._spill.saturated_sides(queued, running)
 
-    def busy_seconds(self, workers: list[WorkerRecord]) -> dict[str, float]:
-        """Each worker's expected time to clear its queued work: outstanding prompt tokens times the
+    def busy_seconds(self, workers: list[WorkerRecord], prompt: PromptBlocks | None = None) -> dict[str, float]:
+        """Each worker's expected time to clear its queued work, less what the prompt's tokens it has
+        cached save it (`prompt`, if given): outstanding prompt tokens times the
         worker's own measured cost per prompt token (one not measured yet is taken as the costliest
         measured among `workers`, or 1 s: unknown is not free), plus decode tokens left times the
         cheapest decode cost per token measured among `workers` (or 1 s).
@@ -206,18 +232,21 @@ class WorkerPicker:
         busy = {}
         for w in workers:
             # max: the router's own count covers requests sent since the last report, a report other routers'
-            prompt = self._prompt_tokens_outstanding(w)
+            queued = self._prompt_tokens_outstanding(w)
             decode = max(w.load.get("decode_tokens_left", 0), self._inflight_decode_tokens[w.worker_id])
-            busy[w.worker_id] = prompt * prefill_s[w.worker_id] + decode * decode_price
+            busy[w.worker_id] = ((queued - self.cached_tokens(w, prompt)) * prefill_s[w.worker_id]
+                                 + decode * decode_price)
         return busy
 
-    def prefers_colocated(self, colocated: WorkerRecord | None, prefill: WorkerRecord | None) -> bool:
+    def prefers_colocated(self, colocated: WorkerRecord | None, prefill: WorkerRecord | None,
+                          prompt: PromptBlocks | None = None) -> bool:
         """In a mixed fleet, whether a request goes to `colocated` rather than the prefill/decode pair:
-        the one with fewer outstanding prompt tokens (what delays the first token); ties go to the
-        pair, whose decode steps no prompt lengthens."""
+        the one with fewer outstanding prompt tokens less the prompt's cached ones (what delays the
+        first token); ties go to the pair, whose decode steps no prompt lengthens."""
         if colocated is None or prefill is None:
             return colocated is not None
-        return self._prompt_tokens_ahead(colocated) < self._prompt_tokens_ahead(prefill)
+        return (self._prompt_tokens_ahead(colocated) - self.cached_tokens(colocated, prompt)
+                < self._prompt_tokens_ahead(prefill) - self.cached_tokens(prefill, prompt))
 
     def pick_decode(self, num_tokens: int = 0, kv_format: str = "") -> WorkerRecord | None:
         """The least-loaded decode worker whose KV cache can hold num_tokens at all, and takes KV of

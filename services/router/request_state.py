@@ -16,6 +16,7 @@ from opentelemetry import trace
 from distserve.convert import finish_to_proto
 from distserve.engine.sampling import FinishReason, SamplingParams
 from distserve.metrics import RouterMetrics
+from distserve.prefix_index import PromptBlocks
 from distserve.v1 import common_pb2, router_pb2
 from services.router.text_stream import TextStream
 
@@ -48,6 +49,16 @@ class RequestState:
     echo_text: str | None = None  # the prompt text to send back on the first message (echo)
     strip_logprobs: bool = False  # computed only to rank best_of completions: not sent
     num_cached_tokens: int = 0  # prompt tokens the first prefill took from a prefix cache (usage.cached_tokens)
+    expected_cached_tokens: int = 0  # of the current route's prompt, cached on its worker as routing expected
+    _blocks: PromptBlocks | None = dataclasses.field(default=None, repr=False)
+
+    def prompt_blocks(self, model: str) -> PromptBlocks:
+        """The block keys of what a prefill would compute now: the prompt plus the completion so far
+        (a migrated request's), under the request's cache_salt."""
+        tokens = self.prompt + self.outputs if self.outputs else self.prompt
+        if self._blocks is None or len(self._blocks.token_ids) != len(tokens):
+            self._blocks = PromptBlocks(model, tokens, self.params.cache_salt)
+        return self._blocks
 
     @property
     def outputs(self) -> list[int]:

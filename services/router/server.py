@@ -125,31 +125,34 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 return None  # n > 1 shares one prompt's KV on a decode worker
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                "n: colocated workers serve one completion per request (n = 1, no best_of)")
-        num_tokens = self._kv_tokens(req)
-        spill = self._picker.pick_spill(len(req.prompt), num_tokens)
+        num_tokens, blocks = self._kv_tokens(req), req.prompt_blocks(self._model_name)
+        spill = self._picker.pick_spill(len(req.prompt), num_tokens, blocks)
         if spill is not None:
             await self._picker.announce_spill()
             return self._routed_colocated(req, spill, "pairs saturated; expected to be free first")
-        colocated = self._picker.pick_colocated(num_tokens)
-        prefill = self._picker.pick_prefill() if self._picker.workers("decode") else None
+        colocated = self._picker.pick_colocated(num_tokens, blocks)
+        prefill = self._picker.pick_prefill(len(req.prompt), blocks) if self._picker.workers("decode") else None
         if colocated is None and prefill is None:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"prompt + max_tokens need KV for {num_tokens} tokens; no colocated worker has "
                                "that much KV cache")
-        if not self._picker.prefers_colocated(colocated, prefill):
+        if not self._picker.prefers_colocated(colocated, prefill, blocks):
             return None
         return self._routed_colocated(req, colocated, "fewest outstanding prompt tokens "
                                       f"({colocated.load.get('outstanding_tokens', 0)} reported)")
 
     def _routed_colocated(self, req: RequestState, colocated: WorkerRecord, reason: str) -> WorkerRecord:
-        """Records the colocated route (span and log) and returns its worker."""
+        """Records the colocated route (span, log and prefix index) and returns its worker."""
         with tracing.span("route", req.request_id) as span:
+            req.expected_cached_tokens = self._expect_cached(req, colocated)
             span.set_attributes({"distserve.colocated.worker": colocated.worker_id,
+                                 "distserve.colocated.expected_cached_tokens": req.expected_cached_tokens,
                                  "distserve.colocated.reason": reason,
                                  "distserve.colocated.spill": bool(colocated.load.get("spill_only")),
                                  "distserve.colocated.candidates": len(self._picker.workers("colocated"))})
-        log.info("route request_id=%s colocated=%s%s prompt_tokens=%d", req.request_id, colocated.worker_id,
-                 " (spill)" if colocated.load.get("spill_only") else "", len(req.prompt))
+        log.info("route request_id=%s colocated=%s%s prompt_tokens=%d expected_cached=%d", req.request_id,
+                 colocated.worker_id, " (spill)" if colocated.load.get("spill_only") else "", len(req.prompt),
+                 req.expected_cached_tokens)
         return colocated
 
     async def _run_colocated(self, req: RequestState, worker: WorkerRecord, context):
@@ -187,7 +190,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def _colocated_messages(self, req: RequestState, worker: WorkerRecord, call):
         """The colocated call's responses as the request's messages, to its last."""
         timings = req.timings
-        with self._picker.track_prompt(worker, len(req.prompt)):  # until the first token: prompt tokens in flight
+        # until the first token: the prompt's tokens in flight, less those the worker is expected to have cached
+        with self._picker.track_prompt(worker, len(req.prompt) - req.expected_cached_tokens):
             response = await call.read()
         while response is not grpc.aio.EOF:
             finish = finish_from_proto(response.finish_reason)
@@ -213,7 +217,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def _route(self, req: RequestState, context) -> tuple[WorkerRecord, WorkerRecord]:
         with tracing.span("route", req.request_id) as span:
             num_tokens = self._kv_tokens(req)
-            prefill_worker = self._picker.pick_prefill(len(req.prompt) + len(req.outputs))
+            prefill_worker = self._picker.pick_prefill(len(req.prompt) + len(req.outputs),
+                                                       req.prompt_blocks(self._model_name))
             decode_worker = prefill_worker and self._picker.pick_decode(num_tokens, prefill_worker.kv_format)
             for role in ("prefill", "decode"):
                 if not self._picker.workers(role):
@@ -226,19 +231,29 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                    f"prompt + max_tokens need KV for {num_tokens} tokens; no decode worker taking "
                                    f"{prefill_worker.kv_format or 'this'} KV has that much KV cache free or "
                                    "room to wait for it")
+            req.expected_cached_tokens = self._expect_cached(req, prefill_worker)
             span.set_attributes({
                 "distserve.prefill.worker": prefill_worker.worker_id,
-                "distserve.prefill.reason": "least outstanding prompt tokens "
-                                            f"({prefill_worker.load.get('outstanding_tokens', 0)} reported)",
+                "distserve.prefill.reason": "least outstanding prompt tokens plus this prompt's uncached ones "
+                                            f"({prefill_worker.load.get('outstanding_tokens', 0)} reported, "
+                                            f"{req.expected_cached_tokens} expected cached)",
+                "distserve.prefill.expected_cached_tokens": req.expected_cached_tokens,
                 "distserve.decode.worker": decode_worker.worker_id,
                 "distserve.decode.reason": "fewest running sequences, then most free blocks "
                                            f"({decode_worker.load.get('num_running', 0)} running, "
                                            f"{decode_worker.load.get('free_blocks', 0)} free blocks)",
                 "distserve.prefill.candidates": len(self._picker.workers("prefill")),
                 "distserve.decode.candidates": len(self._picker.workers("decode"))})
-        log.info("route request_id=%s prefill=%s decode=%s prompt_tokens=%d", req.request_id,
-                 prefill_worker.worker_id, decode_worker.worker_id, len(req.prompt))
+        log.info("route request_id=%s prefill=%s decode=%s prompt_tokens=%d expected_cached=%d", req.request_id,
+                 prefill_worker.worker_id, decode_worker.worker_id, len(req.prompt), req.expected_cached_tokens)
         return prefill_worker, decode_worker
+
+    def _expect_cached(self, req: RequestState, worker: WorkerRecord) -> int:
+        """The prompt's tokens `worker` is expected to have cached; records that it will hold them all."""
+        blocks = req.prompt_blocks(self._model_name)
+        cached = self._picker.cached_tokens(worker, blocks)
+        self._picker.remember(worker, blocks)
+        return cached
 
     async def _run(self, req: RequestState, prefill_worker: WorkerRecord, decode_worker: WorkerRecord, context):
         """Prefill, then decode, streaming. A worker lost on the way, or KV that cannot be pulled, is
@@ -274,7 +289,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         call = None
         try:
             # In flight from the pick on, connecting included: requests picked meanwhile see it.
-            with self._picker.track_prompt(prefill_worker, len(req.prompt) + len(req.outputs)):
+            with self._picker.track_prompt(prefill_worker,
+                                           len(req.prompt) + len(req.outputs) - req.expected_cached_tokens):
                 call = await self._prefill(req, prefill_worker, handle_id, secret)
                 first = await self._prefill_part(call, prefill_worker)
             if first is grpc.aio.EOF:

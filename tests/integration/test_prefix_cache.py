@@ -48,6 +48,14 @@ def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def routed_expecting(fleet, request_id: str) -> int:
+    """The cached tokens the router expected on the worker it routed request_id to (its route log line)."""
+    for line in (Path(fleet.spec.log_dir) / "router.log").read_text().splitlines():
+        if f"route request_id={request_id} " in line:
+            return int(line.rsplit("expected_cached=", 1)[1].split()[0])
+    raise AssertionError(f"no route logged for {request_id}")
+
+
 def assert_exact(answer, prompt, reference_model, max_tokens=MAX_TOKENS):
     ok, _ = compare_with_tolerance(answer.token_ids, reference_generate(reference_model, prompt, max_tokens))
     assert ok, (len(prompt), answer.token_ids)
@@ -60,9 +68,13 @@ def test_a_shared_prefix_is_computed_once(fleet, reference_model):
     assert first.last.usage.cached_tokens == 0
     for seed in (3, 4):
         prompt = system + random_tokens(30, seed, vocab)
-        answer = generate(fleet.router_address, token_request(prompt, max_tokens=MAX_TOKENS))
+        request = token_request(prompt, max_tokens=MAX_TOKENS)
+        request.request_id = f"shared-prefix-{seed}"
+        answer = generate(fleet.router_address, request)
         assert answer.last.usage.cached_tokens == 5 * BLOCK  # the system prompt's full blocks
         assert_exact(answer, prompt, reference_model)
+        # the router's prefix index expected the hit it routed for (services.router.picker)
+        assert routed_expecting(fleet, request.request_id) == 5 * BLOCK
 
 
 def test_the_prefill_worker_counts_hits_and_queries(fleet, reference_model):

@@ -6,6 +6,7 @@ import contextlib
 
 import pytest
 
+from distserve.prefix_index import PromptBlocks
 from distserve.registry import WorkerRecord
 from distserve.spill_policy import SpillPolicy
 from services.router.picker import WorkerPicker
@@ -249,3 +250,46 @@ def test_open_streams_count_toward_the_decode_mark():
         for _ in range(32):
             streams.enter_context(picker.track_stream(d))
         assert picker.pairs_saturated(100, 200)  # opened since the last report
+
+
+def caching_prefill(worker_id: str, outstanding: int = 0, capacity: int = 1000) -> WorkerRecord:
+    load = {"outstanding_tokens": outstanding, "prefix_block_size": 16, "prefix_cache_blocks": capacity}
+    return WorkerRecord(worker_id, "prefill", f"{worker_id}:1", load=load)
+
+
+def test_prefill_goes_where_the_prompt_is_cached_unless_the_queue_there_outweighs_it():
+    a, b = caching_prefill("a"), caching_prefill("b", outstanding=10)
+    picker = picker_with([a, b], [])
+    prompt = PromptBlocks("m", list(range(1024)))
+    assert picker.pick_prefill(1024, prompt) is a  # nothing cached anywhere: least loaded
+    picker.remember(b, prompt)
+    assert picker.cached_tokens(b, prompt) == 1024 and picker.cached_tokens(a, prompt) == 0
+    assert picker.pick_prefill(1024, prompt) is b  # 10 queued + 0 uncached beats 0 + 1024
+    with picker.track_prompt(b, 2000):
+        assert picker.pick_prefill(1024, prompt) is a
+    follow_up = PromptBlocks("m", list(range(1024)) + [7] * 100)  # the next turn: the same head, then more
+    assert picker.cached_tokens(b, follow_up) == 1024
+    salted = PromptBlocks("m", list(range(1024)), cache_salt="tenant")
+    assert picker.cached_tokens(b, salted) == 0
+
+
+def test_a_worker_that_caches_nothing_is_never_expected_to_hit():
+    plain = WorkerRecord("p", "prefill", "p:1", load={"outstanding_tokens": 0})
+    picker = picker_with([plain], [])
+    prompt = PromptBlocks("m", list(range(64)))
+    picker.remember(plain, prompt)
+    assert picker.cached_tokens(plain, prompt) == 0
+
+
+def test_a_spilled_prompt_goes_to_the_half_that_has_it_cached_when_that_saves_more_than_its_queue_costs():
+    # both sides saturated; p: 500 queued prompt tokens at 0.1 ms; d: nothing queued, the prompt not cached
+    spill = [spill_record("p", outstanding=500, prefill_s=1e-4, decode_s=1e-3),
+             spill_record("d", prefill_s=1e-4, decode_s=1e-3)]
+    for record in spill:
+        record.load.update(prefix_block_size=16, prefix_cache_blocks=1000)
+    picker = spill_fleet(prefill_outstanding=2000, decode_running=32, spill=spill)
+    prompt = PromptBlocks("m", list(range(1024)))
+    assert picker.pick_spill(1024, 1100, prompt).worker_id == "d"
+    picker.remember(spill[0], prompt)  # p has the prompt's 1024 tokens cached: 500 queued - 1024 saved
+    assert picker.busy_seconds(spill, prompt)["p"] == pytest.approx((500 - 1024) * 1e-4)
+    assert picker.pick_spill(1024, 1100, prompt).worker_id == "p"

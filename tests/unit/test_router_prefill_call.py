@@ -69,7 +69,7 @@ async def test_a_prefill_worker_counts_as_loaded_while_its_channel_connects():
     first, second = prefill_worker("first"), prefill_worker("second")
     picker = WorkerPicker(registry=None, suspect_s=5.0)
     picker._workers["prefill"] = [first, second]
-    request = types.SimpleNamespace(prompt=[1, 2, 3], outputs=[], request_id="r")
+    request = types.SimpleNamespace(prompt=[1, 2, 3], outputs=[], request_id="r", expected_cached_tokens=0)
     assert picker.pick_prefill() is first
     attempt = servicer_with(picker)._attempt(request, first, None, "handle", "secret")
     step = asyncio.create_task(attempt.__anext__())
