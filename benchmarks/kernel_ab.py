@@ -41,7 +41,8 @@ from distserve.engine.dtype import cpu_has_amx
 from distserve.engine.linear import PACK_BATCH_HINT
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.sampling import SampleRow, SamplingParams, sample_tokens
+from distserve.engine.sampling import SampleRow, sample_tokens
+from distserve.request_types import SamplingParams
 
 
 def interleaved(arms: dict, repeats: int = 10) -> dict[str, float]:

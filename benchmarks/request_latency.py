@@ -20,7 +20,8 @@ import grpc
 
 from benchmarks.results_io import write_results
 from distserve.engine.model_loader import resolve_model_path
-from distserve.engine.model_spec import DTYPES, load_model_spec
+from distserve.engine.dtype import torch_dtype
+from distserve.model_spec import load_model_spec
 from distserve.launcher import Cluster, ClusterSpec
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -65,7 +66,7 @@ def main() -> None:
             rows = [one_request(stub, prompt, args.max_tokens) for _ in range(args.requests)]
     finally:
         cluster.stop()
-    kv_bytes = spec.kv_bytes_per_token(DTYPES[args.dtype]) * args.prompt_len
+    kv_bytes = spec.kv_bytes_per_token(torch_dtype(args.dtype)) * args.prompt_len
     summary = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     summary["transfer_gbps"] = kv_bytes / summary["transfer_s"] / 1e9
     result = {"model": path, "dtype": args.dtype, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,

@@ -20,7 +20,8 @@ import torch
 
 from benchmarks.results_io import write_results
 from benchmarks.worker_env import reexec_like_a_worker
-from distserve.engine.sampling import SampleRow, SamplingParams, sample_tokens
+from distserve.engine.sampling import SampleRow, sample_tokens
+from distserve.request_types import SamplingParams
 
 TEMPERATURE = 0.8
 WARMUP_STEPS = 5

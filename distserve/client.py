@@ -25,9 +25,9 @@ from typing import Any
 import grpc
 
 from distserve.convert import finish_from_proto, sampling_to_proto
-from distserve.engine.logprobs import TokenLogprobs
-from distserve.engine.sampling import FinishReason
-from distserve.engine.sampling import SamplingParams as Sampling
+from distserve.request_types import TokenLogprobs
+from distserve.request_types import FinishReason
+from distserve.request_types import SamplingParams as Sampling
 from distserve.grpc_server import PLAINTEXT, TlsConfig, aio_channel, blocking_channel
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distserve.engine.logprobs import TokenLogprobs
-from distserve.engine.sampling import FinishReason, SamplingParams
+from distserve.request_types import TokenLogprobs
+from distserve.request_types import FinishReason, SamplingParams
 from distserve.v1 import common_pb2
 
 if TYPE_CHECKING:

@@ -1,12 +1,9 @@
-"""What the serving system needs to know about a model, read from its config."""
+"""What the serving system needs to know about a model, read from its config (torch-free: the router
+and gateway use it)."""
 
 from __future__ import annotations
 
 import dataclasses
-
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +38,8 @@ class ModelSpec:
         """Names the KV layout and dtype: a prefill worker's KV fits only a decode worker of the same format."""
         return f"{self.num_layers}x{self.num_kv_heads}x{self.head_dim}:{dtype}"
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(self, dtype) -> int:
+        """dtype: a torch.dtype (anything with `itemsize`)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 

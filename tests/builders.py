@@ -12,8 +12,8 @@ from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.kv_cache import BlockAllocator, PagedKvCache, blocks_needed
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import ModelSpec
-from distserve.engine.sampling import SamplingParams
+from distserve.model_spec import ModelSpec
+from distserve.request_types import SamplingParams
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from distserve.engine.sequence import Sequence
 

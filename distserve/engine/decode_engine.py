@@ -18,7 +18,8 @@ from distserve.engine.core_turns import CoreTurns, NoTurns
 from distserve.engine.cost_meter import CostMeter
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.kv_cache import PagedKvCache
-from distserve.engine.logprobs import TokenLogprobs, rows_logprobs
+from distserve.engine.logprobs import rows_logprobs
+from distserve.request_types import TokenLogprobs
 from distserve.engine.model_runner import DecodeWork, ModelRunner
 from distserve.engine.sampling import SampleRow, banned_token_ids, finish_reason_for, sample_tokens
 from distserve.engine.decode_scheduler import DecodeScheduler
@@ -292,11 +293,11 @@ def build_decode_engine(runner: ModelRunner, spec, dtype: str, device: str, *, b
     reserves its whole life on arrival, so none is ever preempted. The one place a decode side is built,
     for decode workers and colocated halves alike."""
     from distserve.engine.kv_cache import blocks_in_budget
-    from distserve.engine.model_spec import DTYPES
+    from distserve.engine.dtype import torch_dtype
 
-    num_blocks = blocks_in_budget(kv_cache_mb, spec.kv_bytes_per_token(DTYPES[dtype]), block_size)
+    num_blocks = blocks_in_budget(kv_cache_mb, spec.kv_bytes_per_token(torch_dtype(dtype)), block_size)
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size,
-                            DTYPES[dtype], device)
+                            torch_dtype(dtype), device)
     scheduler = DecodeScheduler(kv_cache.allocator, block_size, max_running, spec.max_context, reserve_ahead_tokens)
     return DecodeEngine(runner, kv_cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, grammars, turns,
                         prefix)

@@ -5,11 +5,20 @@ from __future__ import annotations
 import functools
 import logging
 
-from distserve.engine.model_spec import DTYPES
 
 log = logging.getLogger(__name__)
 
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # torch's names; this module imports no torch (the CLI uses it)
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+
+
+def torch_dtype(name: str):
+    """The torch.dtype named `name`, one of DTYPE_NAMES."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: {name!r} is not one of {DTYPE_NAMES}")
+    return getattr(torch, name)
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
@@ -34,7 +43,7 @@ def cpu_has_amx() -> bool:
 
 
 def resolve_dtype(name: str, device: str) -> str:
-    """Returns a key of DTYPES. Explicit names pass through; `auto` is bfloat16 on CUDA, and on CPU
+    """Returns one of DTYPE_NAMES. Explicit names pass through; `auto` is bfloat16 on CUDA, and on CPU
     when it has bf16 instructions (AMX or AVX512-BF16), else float32 (bf16 emulated on CPU is slower
     than fp32)."""
     if name != "auto":

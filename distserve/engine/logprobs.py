@@ -8,23 +8,11 @@ the sampler then did; a greedy token has rank 1.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-MAX_LOGPROBS = 20  # alternatives per position, as OpenAI allows
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprobs:
-    """One position: the token taken, its logprob and rank, and the top alternatives (most likely first)."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 + the number of tokens strictly more likely than token_id
-    top_token_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
+from distserve.request_types import TokenLogprobs
 
 
 def rows_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:

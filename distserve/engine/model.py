@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from distserve.engine.attention import PagedDecodeAttention, compiled_decode_kernel, prefill_attention
 from distserve.engine.cpu_kernels import cpu_kernels_with
 from distserve.engine.kv_cache import PagedKvCache
-from distserve.engine.model_spec import text_config
+from distserve.model_spec import text_config
 from distserve.engine.weights import LayerWeights, ModelArgs, ModelWeights
 
 

@@ -1,11 +1,11 @@
-"""Resolve the --model argument and load a Hugging Face causal LM from disk."""
+"""Resolve the --model argument and load a Hugging Face causal LM from disk. Imports no torch until a
+model is loaded: the router and gateway resolve paths and load tokenizers through it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from distserve.engine.default_model import PRESETS, ensure_default_model
-from distserve.engine.model_spec import DTYPES
 
 
 def resolve_model_path(model: str) -> str:
@@ -24,12 +24,13 @@ def load_engine_model(path: str, dtype: str, device: str):
     """Our own forward (distserve.engine.model) with the folder's weights: what the workers serve."""
     from transformers import AutoConfig
 
+    from distserve.engine.dtype import torch_dtype
     from distserve.engine.model import LlamaModel, rope_tables
     from distserve.engine.weights import ModelArgs, load_weights
 
     config = AutoConfig.from_pretrained(path)
     args = ModelArgs.from_config(config)
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = torch_dtype(dtype)
     cos, sin = rope_tables(config, config.max_position_embeddings, torch_dtype, device)
     return LlamaModel(args, load_weights(path, args, torch_dtype, device), cos, sin)
 
@@ -38,8 +39,10 @@ def load_model(path: str, dtype: str, device: str):
     """Loads the transformers model: the reference our engine is tested against."""
     from transformers import AutoModelForCausalLM
 
+    from distserve.engine.dtype import torch_dtype
+
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation="sdpa"
+        path, dtype=torch_dtype(dtype), attn_implementation="sdpa"
     )
     return model.to(device).eval()
 

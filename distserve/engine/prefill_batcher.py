@@ -31,17 +31,11 @@ from distserve.engine.compute_thread import ComputeThread
 from distserve.engine.cost_meter import CostMeter
 from distserve.engine.core_turns import CoreTurns, NoTurns
 from distserve.engine.grammars import LazyGrammarCompiler
-from distserve.engine.logprobs import TokenLogprobs, rows_logprobs, token_logprobs
+from distserve.engine.logprobs import rows_logprobs, token_logprobs
 from distserve.engine.model_runner import ModelRunner, PrefillWork
 from distserve.engine.prefix_cache import CachedPrefix, PrefixCache
-from distserve.engine.sampling import (
-    FinishReason,
-    SamplingParams,
-    banned_token_ids,
-    completion_params,
-    finish_reason_for,
-    sample_token,
-)
+from distserve.engine.sampling import banned_token_ids, finish_reason_for, sample_token
+from distserve.request_types import FinishReason, SamplingParams, TokenLogprobs, completion_params
 
 if TYPE_CHECKING:
     from distserve.engine.structured import GrammarState

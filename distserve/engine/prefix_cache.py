@@ -165,8 +165,8 @@ def prefix_cache_blocks(budget_mb: int, kv_bytes_per_token: int, block_size: int
 def build_prefix_cache(config, model: str, spec, dtype: str, device: str) -> PrefixCache | None:
     """The prefix cache a worker's prefill side uses, from its PrefixCacheConfig (None when off or empty).
     `model` names the model as the deployment does; `spec` is its ModelSpec; `dtype` the KV dtype name."""
-    from distserve.engine.model_spec import DTYPES
-    torch_dtype = DTYPES[dtype]
+    from distserve.engine.dtype import torch_dtype
+    torch_dtype = torch_dtype(dtype)
     num_blocks = prefix_cache_blocks(config.prefix_cache_mb, spec.kv_bytes_per_token(torch_dtype),
                                      config.prefix_block_size)
     if not config.prefix_caching or not num_blocks:

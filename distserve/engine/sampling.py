@@ -12,70 +12,18 @@ min_p 0 nothing beyond the plain sampler is computed.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from distserve.engine.cpu_kernels import cpu_kernels_with
+from distserve.request_types import FinishReason, SamplingParams
 
-if TYPE_CHECKING:
-    from distserve.engine.structured import StructuredSpec
-
-
-GREEDY_BELOW_TEMPERATURE = 1e-5
 DRAW_BLOCK = 256  # tokens per block of the two-level draw (see _draw)
 ROWS_PER_PASS = 4  # rows whose exp and block sums run together: 4 x 32k float32 = 512 KiB stays in L2
 _MASK64 = 2**64 - 1
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens; validated by the router before it reaches an engine."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # (0, 1]
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0  # > 0; 1: off. Divides positive (multiplies negative) logits of seen tokens
-    presence_penalty: float = 0.0  # [-2, 2]; subtracted once from each token already in the output
-    frequency_penalty: float = 0.0  # [-2, 2]; subtracted per occurrence in the output
-    min_p: float = 0.0  # [0, 1]; drop tokens less likely than min_p * the top token's probability
-    logprobs: int | None = None  # return each completion token's logprob and this many alternatives
-    prompt_logprobs: int | None = None  # return the prompt tokens' logprobs and this many alternatives
-    structured: StructuredSpec | None = None  # a grammar the output must follow
-    cache_salt: str = ""  # prefix-cache namespace: only requests with equal salts share cached KV
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def is_greedy(self) -> bool:
-        # Below this, logits / temperature overflows to inf: sample as greedy (vLLM does the same).
-        return self.temperature < GREEDY_BELOW_TEMPERATURE
-
-
-def completion_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of completion `index` of n from one prompt: seeded seed + index (so n seeded
-    completions differ from each other and are each reproducible); completion 0 keeps params."""
-    if index == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

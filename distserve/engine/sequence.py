@@ -7,8 +7,8 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from distserve.engine.logprobs import TokenLogprobs
-from distserve.engine.sampling import FinishReason, SamplingParams
+from distserve.request_types import TokenLogprobs
+from distserve.request_types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from distserve.engine.structured import GrammarState

@@ -16,7 +16,7 @@ import torch
 
 from distserve.engine.host_memory import HugePageArena
 from distserve.engine.linear import Linear
-from distserve.engine.model_spec import head_dim, num_kv_heads, text_config
+from distserve.model_spec import head_dim, num_kv_heads, text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -22,7 +22,8 @@ import torch
 from distserve.engine.kv_cache import blocks_in_budget
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import DTYPES, load_model_spec
+from distserve.engine.dtype import torch_dtype
+from distserve.model_spec import load_model_spec
 from distserve.engine.prefill_batcher import saturation_tokens
 from distserve.planner.profile import (
     STEP_FEATURES,
@@ -44,7 +45,7 @@ class ProfileSettings:
     """What to measure and the worker defaults to record."""
 
     model: str  # as a worker's --model: default[:small|tiny] or a Hugging Face folder
-    dtype: str  # resolved: a key of DTYPES
+    dtype: str  # resolved: one of DTYPE_NAMES
     device: str = "cpu"
     cpus: tuple[int, ...] = ()  # the cores this process is pinned to (empty: its affinity mask)
     quick: bool = False  # few shapes: a smoke test, not a profile to plan with
@@ -92,12 +93,12 @@ def measure_profile(settings: ProfileSettings) -> Profile:
     shapes = [*plan.prefill, *plan.decode, *plan.mixed]
     log.info("timing %d step shapes, %d repeats each", len(shapes), settings.repeats)
     samples = measure_steps(runner, shapes, settings.repeats, settings.block_size)
-    kv_bytes_per_token = spec.kv_bytes_per_token(DTYPES[settings.dtype])
+    kv_bytes_per_token = spec.kv_bytes_per_token(torch_dtype(settings.dtype))
     transfers = []
     if settings.transfer:
         counts = transfer_token_counts(kv_bytes_per_token, settings.quick)
         log.info("timing %d KV transfers over UCX", len(counts))
-        transfers = measure_transfers((spec.num_layers, spec.num_kv_heads, spec.head_dim), DTYPES[settings.dtype],
+        transfers = measure_transfers((spec.num_layers, spec.num_kv_heads, spec.head_dim), torch_dtype(settings.dtype),
                                       counts, settings.repeats)
     latency, bandwidth = fit_transfer_model(transfers) if transfers else (0.0, float("inf"))
     cpus = settings.cpus or tuple(sorted(os.sched_getaffinity(0)))

@@ -15,7 +15,7 @@ from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.decode_engine import DecodeEngine, build_decode_engine
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import ModelSpec
+from distserve.model_spec import ModelSpec
 from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
 from distserve.engine.prefix_cache import build_prefix_cache
 from distserve.prefix_config import shared_prefix

@@ -16,7 +16,7 @@ from distserve import tracing
 from distserve.convert import finish_to_proto, first_logprobs_fields, logprobs_to_proto, sampling_from_proto
 from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.decode_engine import NoCapacity
-from distserve.engine.model_spec import ModelSpec, prompt_error
+from distserve.model_spec import ModelSpec, prompt_error
 from distserve.engine.prefill_batcher import PrefillResult
 from distserve.engine.sequence import Sequence, stream_outputs
 from distserve.metrics import ColocatedMetrics

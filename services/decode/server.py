@@ -12,8 +12,9 @@ import torch
 from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
-from distserve.engine.sampling import completion_params
-from distserve.engine.model_spec import DTYPES, ModelSpec
+from distserve.request_types import completion_params
+from distserve.engine.dtype import torch_dtype
+from distserve.model_spec import ModelSpec
 from distserve.metrics import DecodeMetrics
 from distserve.transfer.connector import KvConsumer, TransferError
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
@@ -236,7 +237,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         pulled once more, then DATA_LOSS "checksum") and writes it into the sequence's blocks."""
         layout = handle.layout
         staging = torch.empty((layout.num_layers, 2, layout.num_tokens, layout.num_kv_heads, layout.head_dim),
-                              dtype=DTYPES[layout.dtype])
+                              dtype=torch_dtype(layout.dtype))
         try:
             # kv_crc32c 0: the producer gave no checksum (a CRC32C of 0 itself goes unverified, 1 in 2^32)
             transfer_s = await self._receiver.fetch(handle.owner_ucx_address, handle.handle_id, staging,

@@ -19,7 +19,7 @@ from distserve.engine.dtype import resolve_dtype
 from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.engine.model_loader import load_engine_model, resolve_model_path
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.grpc_server import ChannelPool, Service
 from distserve.logs import setup_logging
 from distserve.metrics import PrefillMetrics, serve_metrics, watch_prefix_cache

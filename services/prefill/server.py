@@ -12,8 +12,9 @@ import grpc
 from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_to_proto, logprobs_to_proto, sampling_from_proto, starts_to_proto
-from distserve.engine.sampling import SamplingParams
-from distserve.engine.model_spec import DTYPES, ModelSpec, prompt_error
+from distserve.request_types import SamplingParams
+from distserve.engine.dtype import torch_dtype
+from distserve.model_spec import ModelSpec, prompt_error
 from distserve.metrics import PrefillMetrics
 from distserve.transfer.connector import KvProducer
 from distserve.v1 import common_pb2, kvbroker_pb2, prefill_pb2, prefill_pb2_grpc
@@ -124,7 +125,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def _refuse_if_held_kv_full(self, num_tokens: int, context) -> None:
         """Fails fast, before the forward, when this prompt's KV would not fit under the held-KV cap."""
-        num_bytes = num_tokens * self._spec.kv_bytes_per_token(DTYPES[self._dtype_name])
+        num_bytes = num_tokens * self._spec.kv_bytes_per_token(torch_dtype(self._dtype_name))
         if not self._held.can_hold(num_bytes):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._held_kv_full_message(num_bytes))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from distserve import redis_client
 from distserve.config import parse_config
 from distserve.engine.model_loader import load_tokenizer, resolve_model_path
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.grpc_server import ChannelPool, Service, run_grpc_server
 from distserve.logs import setup_logging
 from distserve.metrics import RouterMetrics, serve_metrics

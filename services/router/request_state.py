@@ -14,7 +14,7 @@ import time
 from opentelemetry import trace
 
 from distserve.convert import finish_to_proto
-from distserve.engine.sampling import FinishReason, SamplingParams
+from distserve.request_types import FinishReason, SamplingParams
 from distserve.metrics import RouterMetrics
 from distserve.prefix_index import PromptBlocks
 from distserve.v1 import common_pb2, router_pb2

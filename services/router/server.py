@@ -16,8 +16,8 @@ from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_from_proto, sampling_to_proto
 from distserve.engine.grammars import LazyGrammarCompiler
-from distserve.engine.model_spec import ModelSpec
-from distserve.engine.sampling import SamplingParams
+from distserve.model_spec import ModelSpec
+from distserve.request_types import SamplingParams
 from distserve.grpc_server import ChannelPool
 from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord

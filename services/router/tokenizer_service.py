@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from distserve.engine.model_spec import ModelSpec
+from distserve.model_spec import ModelSpec
 from distserve.v1 import router_pb2
 from services.router.validation import MAX_CHARS_PER_TOKEN, THREAD_TOKENIZE_CHARS, check
 

@@ -14,9 +14,9 @@ import math
 import re
 
 from distserve.convert import sampling_from_proto
-from distserve.engine.logprobs import MAX_LOGPROBS
-from distserve.engine.model_spec import ModelSpec
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import MAX_LOGPROBS
+from distserve.model_spec import ModelSpec
+from distserve.request_types import SamplingParams
 
 MAX_CACHE_SALT = 128
 CACHE_SALT_CHARS = re.compile(r"[A-Za-z0-9_.:-]*")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distserve.engine.model_loader import load_model
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.launcher import Cluster, ClusterSpec
 from tests.builders import compare_with_tolerance, generate, reference_generate, token_request
 from tests.integration.conftest import wait_for_workers, worker_stats

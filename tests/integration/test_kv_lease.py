@@ -12,7 +12,7 @@ import pytest
 import redis
 import torch
 
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.launcher import free_port
 from distserve.v1 import kvbroker_pb2, kvbroker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.builders import sampling

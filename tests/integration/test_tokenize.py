@@ -21,7 +21,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.launcher import free_port
 from distserve.v1 import router_pb2, router_pb2_grpc
 from tests.builders import generate, token_request

@@ -7,7 +7,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 
 PROMPT_LEN = 300
 # (service, span) -> expected parent (service, span); None for the root

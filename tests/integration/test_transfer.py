@@ -41,7 +41,7 @@ def settled_stats(cluster, names: list[str], timeout_s: float = 10.0) -> dict:
 
 
 def test_kv_bytes_travel_over_ucx_between_workers(cluster, tiny_model_path):
-    from distserve.engine.model_spec import load_model_spec
+    from distserve.model_spec import load_model_spec
 
     spec = load_model_spec(tiny_model_path)
     names = [n for n in cluster.processes if n.startswith(("prefill", "decode"))]

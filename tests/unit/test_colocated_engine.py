@@ -13,9 +13,9 @@ from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_loader import load_engine_model
 from distserve.engine.model_runner import ModelRunner
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.engine.prefill_batcher import PrefillBatcher
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import SamplingParams
 from distserve.engine.sequence import Sequence, stream_outputs
 
 BLOCK_SIZE = 16

@@ -8,7 +8,7 @@ import pytest
 
 from distserve.convert import sampling_from_proto, sampling_to_proto
 from distserve.engine.structured import StructuredSpec
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import SamplingParams
 from distserve.v1 import common_pb2
 
 

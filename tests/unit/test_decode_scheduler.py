@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distserve.engine.kv_cache import BlockAllocator
-from distserve.engine.sampling import FinishReason
+from distserve.request_types import FinishReason
 from distserve.engine.decode_scheduler import DecodeScheduler
 from tests.builders import decode_sequence
 

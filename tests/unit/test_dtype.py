@@ -6,8 +6,7 @@ import pytest
 
 from distserve.config import ConfigError, parse_config
 from distserve.engine import dtype
-from distserve.engine.dtype import DTYPE_CHOICES, cpu_flags, resolve_dtype
-from distserve.engine.model_spec import DTYPES
+from distserve.engine.dtype import DTYPE_CHOICES, DTYPE_NAMES, cpu_flags, resolve_dtype, torch_dtype
 from services.decode.config import DecodeConfig
 from services.prefill.config import PrefillConfig
 
@@ -42,7 +41,7 @@ def test_auto_on_other_devices_is_float32(flags):
     assert resolve_dtype("auto", "mps") == "float32"
 
 
-@pytest.mark.parametrize("name", sorted(DTYPES))
+@pytest.mark.parametrize("name", DTYPE_NAMES)
 def test_explicit_names_pass_through(flags, name):
     flags("amx_bf16")
     assert resolve_dtype(name, "cpu") == name
@@ -62,8 +61,16 @@ def test_cpu_flags_reads_proc_cpuinfo(monkeypatch, tmp_path):
 def test_worker_dtype_defaults_to_auto_and_validates(monkeypatch, cls, prefix):
     monkeypatch.delenv("DISTSERVE_DTYPE", raising=False)
     assert parse_config(cls, [], prefix).dtype == "auto"
-    assert set(DTYPE_CHOICES) == {"auto", *DTYPES}
+    assert set(DTYPE_CHOICES) == {"auto", *DTYPE_NAMES}
     for name in DTYPE_CHOICES:
         assert cls(dtype=name).dtype == name
     with pytest.raises(ConfigError, match=r"^dtype: .*'auto'"):
         cls(dtype="float64")
+
+
+def test_torch_dtype_names_torch_dtypes_and_refuses_others():
+    import torch
+
+    assert [torch_dtype(name) for name in DTYPE_NAMES] == [torch.float32, torch.bfloat16, torch.float16]
+    with pytest.raises(ValueError, match="float64"):
+        torch_dtype("float64")

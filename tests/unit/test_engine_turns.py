@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import threading
 
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import SamplingParams
 from tests.builders import decode_sequence, engine_with_blocks
 from tests.unit.test_prefill_batcher import FakeRunner, make_batcher, prompt, run_batcher
 

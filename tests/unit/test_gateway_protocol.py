@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from distserve.engine.model_loader import load_tokenizer
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import SamplingParams
 from services.router.gateway.chat_template import ChatTemplate
 from services.router.gateway.errors import ApiError, from_router_error
 from services.router.gateway.json_fields import parse_json_object

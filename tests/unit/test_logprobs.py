@@ -12,7 +12,7 @@ from distserve.engine.logprobs import rows_logprobs, token_logprobs
 from distserve.engine.model_loader import load_engine_model, load_model
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.prefill_batcher import PrefillBatcher
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import SamplingParams
 from tests.builders import engine_with_runner
 
 TOLERANCE = 1e-4

@@ -9,7 +9,7 @@ from distserve.engine.kv_cache import PagedKvCache, blocks_needed
 from distserve.engine.model import PrefillChunk, last_layer_rows
 from distserve.engine.model_loader import load_engine_model, load_model
 from distserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from tests.builders import compare_with_tolerance, reference_generate
 
 BLOCK_SIZE = 4

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from distserve.engine.sampling import FinishReason, SamplingParams
+from distserve.request_types import FinishReason, SamplingParams
 from distserve.engine.model_runner import PrefillWork
 from distserve.engine.prefill_batcher import MAX_SKIPS, PrefillBatcher
 

@@ -13,7 +13,7 @@ from distserve.engine.model_loader import load_engine_model
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.prefill_batcher import PrefillBatcher
 from distserve.engine.prefix_cache import PrefixCache
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import SamplingParams
 from distserve.prefix_hash import PrefixNamespace
 
 BLOCK = 8

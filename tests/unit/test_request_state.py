@@ -8,7 +8,7 @@ import types
 import pytest
 
 from distserve.engine.model_loader import load_tokenizer
-from distserve.engine.sampling import FinishReason, SamplingParams
+from distserve.request_types import FinishReason, SamplingParams
 from distserve.v1 import common_pb2
 from services.router.request_state import Completion, RequestState
 from services.router.text_stream import TextStream

@@ -7,8 +7,9 @@ import types
 
 import torch
 
-from distserve.engine.model_spec import ModelSpec
-from distserve.engine.sampling import SamplingParams, sample_token
+from distserve.model_spec import ModelSpec
+from distserve.engine.sampling import sample_token
+from distserve.request_types import SamplingParams
 from tests.builders import engine_with_blocks
 
 

@@ -12,15 +12,8 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from distserve.engine import sampling
-from distserve.engine.sampling import (
-    FinishReason,
-    SampleRow,
-    SamplingParams,
-    apply_penalties,
-    banned_token_ids,
-    finish_reason_for,
-    sample_token,
-)
+from distserve.engine.sampling import SampleRow, apply_penalties, banned_token_ids, finish_reason_for, sample_token
+from distserve.request_types import FinishReason, SamplingParams
 
 EOS = (1,)
 GREEDY = SamplingParams(temperature=0.0)

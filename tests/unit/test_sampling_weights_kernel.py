@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from distserve.engine import sampling
-from distserve.engine.sampling import SampleRow, SamplingParams, sample_token
+from distserve.engine.sampling import SampleRow, sample_token
+from distserve.request_types import SamplingParams
 from tests.kernel_support import compiled_op
 
 

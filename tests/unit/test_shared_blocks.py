@@ -12,7 +12,7 @@ import torch
 from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.kv_cache import PagedKvCache
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import SamplingParams
 from distserve.engine.sequence import Sequence
 from distserve.prefix_hash import PrefixNamespace
 

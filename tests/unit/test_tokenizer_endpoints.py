@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from distserve.engine.model_loader import load_tokenizer
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.launcher import free_port
 from distserve.v1 import router_pb2_grpc
 from services.router.gateway.app import create_app

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distserve.engine.model_loader import load_tokenizer
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.v1 import router_pb2
 from services.router.tokenizer_service import detokenize, detokenize_async, tokenize, tokenize_async
 from services.router.validation import MAX_CHARS_PER_TOKEN, THREAD_TOKENIZE_CHARS, InvalidRequest

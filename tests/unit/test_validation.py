@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from distserve.engine.sampling import SamplingParams
+from distserve.request_types import SamplingParams
 from distserve.v1 import router_pb2
 from services.router.validation import (
     MAX_CHARS_PER_TOKEN,

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from distserve.config import parse_config
 from distserve.engine.model_loader import load_tokenizer, resolve_model_path
-from distserve.engine.model_spec import load_model_spec
+from distserve.model_spec import load_model_spec
 from distserve.logs import setup_logging
 from distserve.tracing import init_tracing, shutdown_tracing
 from services.router.gateway.app import create_app
