@@ -151,5 +151,8 @@ class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that carry the current trace context on every outgoing call."""
-    return [_UnaryUnary(), _UnaryStream()]
+    """Interceptors that carry the current trace context on every outgoing call; none while tracing is
+    off (call init_tracing first). grpc.aio runs an intercepted call in an extra task and each of its
+    stream reads through an extra async generator, on every hop of every token: not worth paying for
+    nothing to carry."""
+    return [_UnaryUnary(), _UnaryStream()] if _installed else []

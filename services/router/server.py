@@ -131,7 +131,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             await self._picker.announce_spill()
             return self._routed_colocated(req, spill, "pairs saturated; expected to be free first")
         colocated = self._picker.pick_colocated(num_tokens, blocks)
-        prefill = self._picker.pick_prefill(len(req.prompt), blocks) if self._picker.workers("decode") else None
+        # no room check for this prompt here (0 tokens): a full prefill worker is refused by _route, by name
+        prefill = self._picker.pick_prefill(0, blocks) if self._picker.workers("decode") else None
         if colocated is None and prefill is None:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"prompt + max_tokens need KV for {num_tokens} tokens; no colocated worker has "
@@ -417,8 +418,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 yield message
                 if req.all_finished:
                     if finish is not None:
-                        async for _ in call:  # the worker's stream ends right after its last message;
-                            pass              # waiting for that keeps its spans inside this request's
+                        # the worker's stream ends right after its last message; waiting for that
+                        # keeps its spans inside this request's (read(), never `async for`: grpc.aio
+                        # refuses mixing the two on one call when no interceptor wraps it)
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
                     return  # else a stop string ended it first: the finally cancels the worker's call
         except grpc.aio.AioRpcError as exc:
             raise StageFailed.of(exc, worker, "decode") from exc
