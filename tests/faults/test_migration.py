@@ -22,6 +22,7 @@ from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.kvbroker.store import HANDLE_KEY_PREFIX
 from services.router.config import RouterConfig
 from tests.faults.conftest import TRANSFER_TIMEOUT_S
+from tests.integration.test_metrics import scrape
 
 # Long enough that every stream is still decoding when the worker dies (the tiny model decodes
 # a few hundred tokens per second on these machines); the context is 2048.
@@ -148,6 +149,31 @@ def test_decode_worker_killed_mid_stream_continues_elsewhere_with_identical_outp
     assert [s.result() for s in streams] == unfailed
     assert all(s.messages > 2 for s in on_victim)  # the victim streamed some, another worker the rest
     assert _router_retries(faults_cluster, "decode") >= retries_before + len(on_victim)
+
+
+def _prefix_hits(cluster) -> float:
+    """Prompt tokens the prefill workers have taken from their prefix caches so far."""
+    return sum(scrape(cluster, name).get("distserve:prefix_cache_hits_total{}", 0.0)
+               for name in cluster.processes if name.startswith("prefill"))
+
+
+def test_a_migrated_request_reuses_its_cached_prompt_and_its_output_is_unchanged(faults_cluster):
+    """A decode worker dies mid-stream: the router prefills the prompt plus the completion so far again,
+    and that prefill reuses the prompt's blocks an earlier prefill cached (the router sends it where
+    they are). The output equals an unfailed run's."""
+    request = [(" ".join(["A serving system streams tokens to its clients."] * 8),
+                common_pb2.SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True))]
+    unfailed_run = _run_all(faults_cluster, request)[0].result()  # its prefill stores the prompt's blocks
+    before = _prefix_hits(faults_cluster)
+    assert _run_all(faults_cluster, request)[0].result() == unfailed_run
+    one_prefill = _prefix_hits(faults_cluster) - before
+    assert one_prefill > 0  # the prompt's full blocks, reused
+    stream = _run_all(faults_cluster, request)[0]
+    assert stream.decoding.wait(60), "the stream never reached decode"
+    before = _prefix_hits(faults_cluster)  # its own first prefill is done (decoding started)
+    faults_cluster.kill(_process_name(faults_cluster, stream.decode_worker))
+    assert stream.result() == unfailed_run
+    assert _prefix_hits(faults_cluster) - before >= one_prefill  # the migration's prefill reused the prompt
 
 
 def test_prefill_worker_killed_before_its_kv_is_pulled_is_prefilled_again(faults_cluster, unfailed):

@@ -101,6 +101,23 @@ def test_a_follow_up_turn_reuses_the_last_turns_prompt_blocks(fleet, reference_m
     assert_exact(answer2, turn2, reference_model)
 
 
+def test_structured_output_over_a_cached_prefix_equals_its_uncached_run(fleet, reference_model):
+    """A grammar-constrained greedy request whose prompt is cached gives what it gave computing it all."""
+    import re
+
+    from distserve.v1 import common_pb2
+    prompt = random_tokens(4 * BLOCK + 5, seed=80, vocab=reference_model.config.vocab_size)
+
+    def run():
+        request = token_request(prompt, max_tokens=24)
+        request.sampling.structured_output.CopyFrom(common_pb2.StructuredOutput(regex="[a-z]{3,6}-[0-9]{2}"))
+        return generate(fleet.router_address, request)
+
+    uncached, cached = run(), run()
+    assert (uncached.last.usage.cached_tokens, cached.last.usage.cached_tokens) == (0, 4 * BLOCK)
+    assert cached.token_ids == uncached.token_ids and re.fullmatch("[a-z]{3,6}-[0-9]{2}", cached.text)
+
+
 def test_n_completions_share_a_cached_prefix(fleet, reference_model):
     vocab = reference_model.config.vocab_size
     prefix = random_tokens(3 * BLOCK, seed=20, vocab=vocab)
