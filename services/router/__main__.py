@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-from distserve import redis_client
+from distserve import event_loop, redis_client
 from distserve.config import parse_config
 from distserve.engine.model_loader import load_tokenizer, resolve_model_path
 from distserve.model_spec import load_model_spec
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("router")
     init_tracing("distserve-router")
     config = parse_config(RouterConfig, argv, prefix="DISTSERVE_ROUTER_")
-    asyncio.run(serve(config))
+    event_loop.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -80,3 +80,22 @@ def test_finish_reasons():
     with pytest.raises(ApiError) as info:
         responses.finish_reason(common_pb2.FINISH_REASON_UNSPECIFIED)
     assert info.value.status == 500
+
+
+def test_an_event_matches_the_standard_librarys_json_for_text_numbers_and_nulls():
+    payload = {"text": "\u00e9\t\"q\"\\ \U0001F600", "logprob": -1.25e-05, "top": {"a": -0.5}, "finish": None,
+               "ids": [0, 2**31 - 1], "ok": True}
+    assert json.loads(sse.event(payload)[len(b"data: "):]) == payload
+    assert json.loads(sse.json_text(payload)) == payload
+
+
+def test_logprobs_the_sampler_masked_out_are_a_finite_number_in_the_answer():
+    from services.router.gateway.logprobs_format import LOWEST_LOGPROB, CompletionLogprobs, chat_content
+
+    entry = common_pb2.TokenLogprobs(token_id=1, logprob=-0.1, top_token_ids=[1, 2], top_logprobs=[-0.1, float("-inf")])
+    text = {1: "a", 2: "b"}.__getitem__
+    chat = chat_content([entry], text)[0]
+    assert [top["logprob"] for top in chat["top_logprobs"]][1] == LOWEST_LOGPROB
+    legacy = CompletionLogprobs(text).part([entry])
+    assert legacy["top_logprobs"][0]["b"] == LOWEST_LOGPROB
+    assert "Infinity" not in sse.event({"logprobs": legacy}).decode() and "null" not in sse.event({"c": chat}).decode()

@@ -139,10 +139,43 @@ def test_plain_decoder_takes_the_rust_decode_only_where_it_equals_transformers(t
     from services.router import text_stream
 
     assert plain_decoder(tiny_tokenizer).__closure__[0].cell_contents is tiny_tokenizer.backend_tokenizer
-    plain_decoder.cache_clear()
+    text_stream.rust_tokenizer.cache_clear()
     monkeypatch.setattr(text_stream, "_cleans_up_spaces", lambda tokenizer: True)
     assert plain_decoder(tiny_tokenizer).__closure__[0].cell_contents is tiny_tokenizer  # its own decode
-    plain_decoder.cache_clear()
+    assert TextStream(tiny_tokenizer, ())._rust_stream is None  # nor the Rust stream
+    text_stream.rust_tokenizer.cache_clear()
+
+
+class _BrokenStream:
+    def step(self, tokenizer, ids):
+        raise Exception("decode stream failed")
+
+
+def _deltas(tokenizer, messages, stop, rust: bool, fail_after: int | None = None) -> list[str]:
+    stream = TextStream(tokenizer, stop)
+    assert (stream._rust_stream is not None) or not rust
+    if not rust:
+        stream._rust_stream = None
+    deltas = []
+    for i, message in enumerate(messages):
+        if i == fail_after:  # the Rust stream breaks mid-answer: Python carries on from its offsets
+            stream._rust_stream = _BrokenStream()
+        deltas.append(stream.add(message))
+    return deltas + [stream.flush()]
+
+
+@pytest.mark.parametrize("per_message", [1, 3])
+@pytest.mark.parametrize("stop", [(), ("e",), (" the", "zz q")])
+def test_the_rust_stream_releases_what_two_decodes_per_message_release(tiny_tokenizer, per_message, stop):
+    import random
+
+    rng = random.Random(per_message)
+    ids = [rng.randrange(tiny_tokenizer.vocab_size) for _ in range(300)]
+    ids += tiny_tokenizer("h\u00e9llo \u65e5\u672c \U0001F600 the end", add_special_tokens=False)["input_ids"] * 3
+    messages = [ids[i:i + per_message] for i in range(0, len(ids), per_message)]
+    python = _deltas(tiny_tokenizer, messages, stop, rust=False)
+    assert _deltas(tiny_tokenizer, messages, stop, rust=True) == python
+    assert _deltas(tiny_tokenizer, messages, stop, rust=True, fail_after=len(messages) // 2) == python
 
 
 @pytest.mark.parametrize("model, clean_up, forced, cleans", [

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from distserve import event_loop
 from distserve.config import parse_config
 from distserve.engine.model_loader import load_tokenizer, resolve_model_path
 from distserve.model_spec import load_model_spec
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(config, template, config.served_model_name or Path(path).name)
     # handler_cancellation: a client that disconnects cancels its handler, and so its router call.
     web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None,
-                shutdown_timeout=config.shutdown_grace_s)
+                shutdown_timeout=config.shutdown_grace_s, loop=event_loop.new_loop())
     shutdown_tracing()
 
 

@@ -125,7 +125,7 @@ async def whole_answer(meta: AnswerMeta, router_answer: RouterAnswer) -> web.Res
     choices = [responses.whole_choice(meta, c.index, "".join(c.parts), c.finish, c.whole_logprobs(),
                                       {**extras, **_token_ids(meta, c.token_ids)})
                for c in answer.choices.values()]
-    return web.json_response(responses.full_response(meta, choices, answer.usage))
+    return web.json_response(responses.full_response(meta, choices, answer.usage), dumps=sse.json_text)
 
 
 async def streamed_answer(http_request: web.Request, meta: AnswerMeta, router_answer: RouterAnswer,

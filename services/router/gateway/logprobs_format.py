@@ -15,6 +15,13 @@ from typing import Any
 from distserve.v1 import common_pb2
 
 TokenText = Callable[[int], str]
+# A token the sampler could not pick (a grammar or top-k mask) has logprob -inf, which JSON cannot spell;
+# as in vLLM, the answer says -9999.0.
+LOWEST_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOWEST_LOGPROB else LOWEST_LOGPROB
 
 
 class CompletionLogprobs:
@@ -43,14 +50,14 @@ class CompletionLogprobs:
     def _add(self, part: dict[str, Any], token: int, entry: common_pb2.TokenLogprobs | None) -> None:
         text = self._token_text(token)
         part["tokens"].append(text)
-        part["token_logprobs"].append(None if entry is None else entry.logprob)
+        part["token_logprobs"].append(None if entry is None else _finite(entry.logprob))
         part["top_logprobs"].append(None if entry is None else self._top(entry, text))
         part["text_offset"].append(self._offset)
         self._offset += len(text)
 
     def _top(self, entry: common_pb2.TokenLogprobs, text: str) -> dict[str, float]:
-        top = {self._token_text(t): lp for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
-        top.setdefault(text, entry.logprob)  # OpenAI includes the chosen token
+        top = {self._token_text(t): _finite(lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
+        top.setdefault(text, _finite(entry.logprob))  # OpenAI includes the chosen token
         return top
 
     @staticmethod
@@ -75,4 +82,4 @@ def chat_content(entries: Sequence[common_pb2.TokenLogprobs], token_text: TokenT
 
 def _chat_token(token: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
     text = token_text(token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}

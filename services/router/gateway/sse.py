@@ -1,14 +1,16 @@
 """Server-sent events framing, as the OpenAI streaming API uses it.
 
 Each event is one `data: <json>\n\n` line; the stream ends with `data: [DONE]\n\n`.
-JSON is written without raw newlines (json.dumps escapes them), so one event
-is always exactly one `data:` line.
+JSON is written compact and without raw newlines (orjson escapes them in strings), so one event is
+always exactly one `data:` line. orjson writes a float that is not finite as null; the logprobs that can
+be -inf are clamped before (logprobs_format).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
@@ -16,7 +18,13 @@ HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": 
 
 
 def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One event. orjson: about a tenth of json.dumps' time, on every streamed token."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def json_text(value: Any) -> str:
+    """A JSON body's text (aiohttp's json_response(dumps=...)), as compact as the events'."""
+    return orjson.dumps(value).decode()
 
 
 def parse_events(raw: bytes) -> list[str]:
