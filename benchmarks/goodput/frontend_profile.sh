@@ -10,7 +10,9 @@
 #
 # SOURCE (default: this checkout) is the checkout whose services run (python -m from its root, with this
 # checkout's .venv): SOURCE=/tmp/base after `git worktree add /tmp/base BASE_COMMIT` profiles that commit.
-# py-spy is not a dependency: `pip install py-spy` into any environment and point PY_SPY at it.
+# py-spy is not a dependency: `pip install py-spy` into any environment and point PY_SPY at it;
+# PY_SPY_ARGS adds py-spy options (--native, to see into grpc.aio's Cython core, needs blocking
+# sampling: PY_SPY_ARGS=--native PY_SPY_BLOCKING=1, which pauses the process at each sample).
 # Sampling costs the profiled processes little (py-spy reads them from outside), but it takes a core
 # share of its own: compare frontend_cost.json from runs with PY_SPY=none, not from profiled runs.
 set -euo pipefail
@@ -35,7 +37,7 @@ if [ "$PY_SPY" != none ]; then
   for name in router gateway; do
     module=services.router; [ $name = gateway ] && module=services.router.gateway
     target=$(pgrep -f -- "-m $module( |$)" | head -1)
-    "$PY_SPY" record --pid "$target" --format raw --rate 200 --nonblocking --output "$OUT/$name.folded" \
+    "$PY_SPY" record --pid "$target" ${PY_SPY_ARGS:-} --format raw --rate 200 $([ -n "${PY_SPY_BLOCKING:-}" ] || echo --nonblocking) --output "$OUT/$name.folded" \
       >"$LOGS/spy-$name.log" 2>&1 &
     spies+=($!)
   done
