@@ -238,11 +238,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         layout = handle.layout
         staging = torch.empty((layout.num_layers, 2, layout.num_tokens, layout.num_kv_heads, layout.head_dim),
                               dtype=torch_dtype(layout.dtype))
+        if not handle.HasField("kv_crc32c"):  # every prefill worker sends one: this record was not written by one
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"kv handle {handle.handle_id} carries no checksum; "
+                                                           "its KV is not loaded")
         try:
-            # kv_crc32c 0: the producer gave no checksum (a CRC32C of 0 itself goes unverified, 1 in 2^32)
             transfer_s = await self._receiver.fetch(handle.owner_ucx_address, handle.handle_id, staging,
                                                     self._config.transfer_timeout_s, seq.request_id, secret,
-                                                    handle.kv_crc32c or None)
+                                                    handle.kv_crc32c)
         except TransferError as exc:
             # DATA_LOSS, not UNAVAILABLE (this worker is fine): the KV's owner could not deliver it (gone,
             # stalled, refused, or bytes that failed their checksum); the router prefills again elsewhere

@@ -47,7 +47,7 @@ class HeldKv:
         return handle_id in self._held
 
     def add(self, handle_id: str, kv: torch.Tensor, lease_s: float, secret: str = "") -> int:
-        """Holds kv for pullers presenting `secret` ("": no secret) until freed or lease_s has passed;
+        """Holds kv for pullers presenting `secret` ("": for none: a local use) until freed or lease_s has passed;
         returns its CRC32C. The caller checks `is_holding` and `can_hold` first."""
         num_bytes = kv.numel() * kv.element_size()
         if self.is_holding(handle_id) or not self.can_hold(num_bytes):
@@ -62,9 +62,10 @@ class HeldKv:
         return held.kv if held else None
 
     def admits(self, handle_id: str, secret: str) -> bool:
-        """Whether a puller presenting `secret` may pull the handle (constant-time compare)."""
+        """Whether a puller presenting `secret` may pull the handle (constant-time compare); a handle held
+        without a secret admits no puller, so an empty secret never opens one."""
         held = self._held.get(handle_id)
-        return held is not None and hmac.compare_digest(held.secret.encode(), secret.encode())
+        return held is not None and bool(held.secret) and hmac.compare_digest(held.secret.encode(), secret.encode())
 
     def free(self, handle_id: str) -> bool:
         held = self._held.pop(handle_id, None)

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 
 HANDLE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MIN_KV_SECRET_CHARS = 16  # the router mints 32 hex characters (128 bits) per request
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -95,6 +96,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             error = error and error.replace("prompt_token_ids", "output_token_ids")
         if request.kv_handle_id and not HANDLE_ID.fullmatch(request.kv_handle_id):
             error = "kv_handle_id: must be 1 to 64 characters of [A-Za-z0-9_-]"
+        if not error and len(request.kv_secret) < MIN_KV_SECRET_CHARS:
+            error = (f"kv_secret: must be at least {MIN_KV_SECRET_CHARS} characters (the router mints 32 per "
+                     f"request): whoever presents it may pull this prompt's KV")
         if not error and request.n > 1 and outputs:
             error = "n: a migrated request (output_token_ids set) continues one completion"
         if error or params.max_tokens <= 0:

@@ -40,7 +40,7 @@ def prefill(process, num_tokens: int, handle_id: str = "", request_id: str = "he
     with grpc.insecure_channel(process.address) as channel:
         return prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=list(range(10, 10 + num_tokens)), kv_handle_id=handle_id,
-            sampling=sampling(max_tokens=8, ignore_eos=True)), timeout=60)
+            kv_secret="held-kv-test-secret", sampling=sampling(max_tokens=8, ignore_eos=True)), timeout=60)
 
 
 def release(cluster, handle_id: str) -> None:

@@ -94,3 +94,26 @@ def test_decode_pulls_with_the_request_secret_and_a_wrong_one_is_refused(cluster
     with pytest.raises(grpc.RpcError) as refused:
         decode_with_secret(cluster, "decode-0", prompt, wrong, "minted-for-this-request")
     assert refused.value.code() == grpc.StatusCode.DATA_LOSS and "refused" in refused.value.details()
+
+
+@pytest.mark.parametrize("secret", ["", "short-secret"])
+def test_a_prefill_without_a_real_kv_secret_is_refused_naming_it(cluster, secret):
+    """An empty secret would let any puller presenting "" fetch the KV: the worker refuses the prompt."""
+    with pytest.raises(grpc.RpcError) as refused:
+        prefill_with_secret(cluster, "prefill-0", list(range(20, 40)), secret)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("kv_secret:")
+
+
+def test_a_handle_record_without_a_checksum_is_refused_and_nothing_is_loaded(cluster):
+    """A handle rewritten in Redis without its checksum (a CRC32C of 0 used to mean "none": unverified)."""
+    prompt = list(range(20, 80))
+    reply = prefill_with_secret(cluster, "prefill-0", prompt, "minted-for-this-request")
+    client = redis.Redis.from_url(cluster.redis_url)
+    key = f"distserve:kv:{reply.kv_handle_id}"
+    handle = kvbroker_pb2.KvHandle.FromString(client.hget(key, "handle"))
+    handle.ClearField("kv_crc32c")
+    client.hset(key, "handle", handle.SerializeToString())
+    with pytest.raises(grpc.RpcError) as refused:
+        decode_with_secret(cluster, "decode-0", prompt, reply, "minted-for-this-request")
+    assert refused.value.code() == grpc.StatusCode.DATA_LOSS and "no checksum" in refused.value.details()
