@@ -15,6 +15,9 @@ its own endpoint. Every wait of a pull (for an endpoint slot, to connect, for by
 timeout; an endpoint that saw any failure is aborted at once (cancelling receives still posted into the
 caller's buffer) and never reused, and the next pull opens a new one.
 
+A sender serves at most MAX_SERVED_ENDPOINTS endpoints and aborts a new one beyond them; a new
+endpoint must send its first header within FIRST_HEADER_TIMEOUT_S (a pooled one may idle between pulls).
+
 Binding: ucxx 0.52's listener takes a port only and binds every interface (0.0.0.0; ucxx's C++
 Listener passes a NULL host to getaddrinfo). So pulls are authorized by the per-request secret, not by
 address; restrict the port with a firewall where other hosts must not reach it.
@@ -47,6 +50,10 @@ ACK_CORRUPT, ACK_RECEIVED = 0, 1
 SERVE_TIMEOUT_S = 60.0  # the sender gives up on a puller that stops reading or acknowledging
 CONNECT_TIMEOUT_S = 5.0  # how long a pre-connect waits (the connect itself goes on: KvReceiver._connecting)
 MAX_ENDPOINTS_PER_PEER = 8
+# The sender serves at most this many endpoints at once (32 decode workers, each with a full pool of
+# MAX_ENDPOINTS_PER_PEER): a flood of connections is turned away at the door, not served a coroutine each.
+MAX_SERVED_ENDPOINTS = 256
+FIRST_HEADER_TIMEOUT_S = 10.0  # a new endpoint that asks for nothing in this long is closed
 
 
 def _encode_header(handle_id: str, request_id: str, secret: str) -> np.ndarray:
@@ -142,14 +149,20 @@ class KvSender:
     """Serves KV buffers held by this worker to decode workers that ask by handle id."""
 
     def __init__(self, lookup: Callable[[str], torch.Tensor | None], on_sent: Callable[[str, int, float], None],
-                 authorize: Authorize | None = None) -> None:
+                 authorize: Authorize | None = None, max_endpoints: int = MAX_SERVED_ENDPOINTS,
+                 first_header_timeout_s: float = FIRST_HEADER_TIMEOUT_S) -> None:
         """lookup(handle_id) gives the buffer to send; authorize(handle_id, secret) admits a puller (None:
-        all); on_sent(handle_id, bytes, seconds) follows the puller's ACK_RECEIVED."""
+        all); on_sent(handle_id, bytes, seconds) follows the puller's ACK_RECEIVED. At most max_endpoints
+        are served at once; a new one that sends no header in first_header_timeout_s is closed."""
+        self._max_endpoints = max_endpoints
+        self._first_header_timeout_s = first_header_timeout_s
         self._lookup = lookup
         self._on_sent = on_sent
         self._authorize = authorize
         self._listener = None
+        self._num_endpoints = 0
         self.counters = TransferCounters()
+        self.num_turned_away = 0  # endpoints aborted over the cap or for sending no header in time
 
     def start(self, port: int = 0) -> int:
         """Listens on `port` (0: any free one) on every interface (ucxx cannot bind one; module docstring)."""
@@ -163,18 +176,31 @@ class KvSender:
             self._listener = None
 
     async def _serve_endpoint(self, ep) -> None:
+        if self._num_endpoints >= self._max_endpoints:
+            self.num_turned_away += 1
+            log.warning("kv sender: %d endpoints served already; a new one is turned away", self._num_endpoints)
+            ep.abort()
+            return
+        self._num_endpoints += 1
         header = np.empty(HEADER_BYTES, dtype=np.uint8)
         try:
+            try:
+                await asyncio.wait_for(ep.recv(header), self._first_header_timeout_s)
+            except TimeoutError:
+                self.num_turned_away += 1
+                log.warning("kv sender: a new endpoint sent no header in %gs; closed", self._first_header_timeout_s)
+                return
             while True:
-                await ep.recv(header)
                 # A puller that stops reading or acknowledging must not hold this endpoint (or the buffer) forever.
                 await asyncio.wait_for(self._serve_one(ep, _decode_header(header)), SERVE_TIMEOUT_S)
+                await ep.recv(header)  # the next pull on this endpoint (the receiver pools it)
         except asyncio.CancelledError:  # listener shutting down
             pass
         except Exception as exc:  # a closed peer ends its loop; nothing else depends on it
             if not ep.closed:
                 log.warning("kv sender endpoint error: %r", exc)
         finally:
+            self._num_endpoints -= 1
             ep.abort()  # cancels any send still posted from a buffer this coroutine no longer holds
 
     async def _serve_one(self, ep, fields: dict[str, str]) -> None:

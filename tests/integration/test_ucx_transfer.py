@@ -187,3 +187,30 @@ async def test_the_progress_thread_sleeps_the_set_interval_and_transfers_still_c
     finally:
         await receiver.close()
         sender.stop()
+
+
+async def test_a_connection_flood_is_turned_away_and_pulls_go_on_once_its_endpoints_time_out():
+    """Endpoints that connect and ask for nothing: beyond the cap they are aborted at once; those within
+    it are closed after the first-header timeout, and a real pull then goes through."""
+    init_ucx()
+    held = HeldKv(max_bytes=1 << 30)
+    kv = torch.full(SHAPE, 5.0)
+    crc = held.add("F", kv, lease_s=30, secret="router-minted-secret")
+    sender = KvSender(lookup=held.lookup, on_sent=lambda handle_id, num_bytes, seconds: held.free(handle_id),
+                      authorize=held.admits, max_endpoints=2, first_header_timeout_s=1.0)
+    address = f"127.0.0.1:{sender.start(0)}"
+    flood = [KvReceiver() for _ in range(5)]
+    receiver = KvReceiver()
+    try:
+        await asyncio.gather(*(idle.connect(address) for idle in flood), return_exceptions=True)
+        assert await eventually(lambda: sender.num_turned_away >= 3), "3 endpoints over the cap of 2"
+        assert sender._num_endpoints <= 2
+        assert await eventually(lambda: sender._num_endpoints == 0, timeout_s=5.0), "idle ones closed"
+        out = torch.zeros(SHAPE)
+        await receiver.fetch(address, "F", out, 10, "owner", secret="router-minted-secret", crc32c=crc)
+        assert torch.equal(out, kv)
+    finally:
+        for idle in flood:
+            await idle.close()
+        await receiver.close()
+        sender.stop()
