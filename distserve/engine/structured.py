@@ -46,6 +46,9 @@ import torch
 import xgrammar as xgr
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# A spec's text (all of a choice's strings together) is at most this long: compiling grows with it, and
+# no real schema, regex or grammar comes near (OpenAI caps a schema's properties at 5,000 in total).
+MAX_SPEC_CHARS = 64 * 1024
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'  # how xgrammar prints a bounded string's character class
 _JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
@@ -81,6 +84,9 @@ class StructuredSpec:
             raise InvalidGrammar(f"{self.kind}: must be a string, got {type(self.value).__name__}")
         elif self.kind != "json_object" and not self.value.strip():
             raise InvalidGrammar(f"{self.kind}: must not be empty")
+        size = sum(map(len, self.value)) if self.kind == "choice" else len(self.value)
+        if size > MAX_SPEC_CHARS:
+            raise InvalidGrammar(f"{self.kind}: at most {MAX_SPEC_CHARS} characters, got {size}")
 
 
 def choice_ebnf(choices: Iterable[str]) -> str:

@@ -101,6 +101,7 @@ def test_grpc_choice_ends_even_with_ignore_eos(cluster):
      "response_format"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"structured_outputs": {"grammar": "start ::= \"a\""}}, "structured_outputs"),  # no root rule
+    ({"structured_outputs": {"regex": "a" * (1 << 20)}}, "structured_outputs"),  # 1 MiB: over the size cap
 ])
 def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(sdk, fields, param):
     with pytest.raises(openai.BadRequestError) as info:

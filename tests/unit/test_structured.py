@@ -174,6 +174,8 @@ def test_invalid_specs_raise_invalid_grammar(compiler, spec, message):
     ("choice", ["a"], "choice: must be a non-empty tuple"),
     ("regex", "", "regex: must not be empty"),
     ("grammar", ("root",), "grammar: must be a string"),
+    ("regex", "a" * (64 * 1024 + 1), "regex: at most 65536 characters, got 65537"),
+    ("choice", ("x" * 40000, "y" * 40000), "choice: at most 65536 characters, got 80000"),
 ])
 def test_malformed_spec_is_refused(kind, value, message):
     with pytest.raises(InvalidGrammar, match=f"^{re.escape(message)}"):
