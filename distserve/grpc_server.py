@@ -45,9 +45,15 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# Streams one client connection may hold open at once: well above what the gateway's one channel to the
+# router carries (one stream per request in flight), far below what would exhaust a server.
+MAX_CONCURRENT_STREAMS = 1024
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    # Our clients ping every KEEPALIVE_TIME_MS; one that pings more often than every half of that is
+    # sent away (GOAWAY) after gRPC's default 2 strikes instead of being answered forever.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
 ]
 
 
