@@ -16,11 +16,17 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
 RETRIES = 3
+# A Redis that stops answering (paused, partitioned) fails each command within about
+# (RETRIES + 1) x SOCKET_TIMEOUT_S instead of hanging registry refreshes, claims and heartbeats forever.
+# A subscription's listen() is not bounded by it: it waits for messages as long as it must.
+SOCKET_TIMEOUT_S = 5.0
 
 
 def connect(url: str, **options) -> aioredis.Redis:
     """An asyncio Redis client for url (redis://, rediss://, passwords included); `options` are
-    redis-py's (timeouts, ...)."""
+    redis-py's (socket_timeout and socket_connect_timeout default to SOCKET_TIMEOUT_S)."""
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
+    options.setdefault("socket_connect_timeout", SOCKET_TIMEOUT_S)
     return aioredis.from_url(url, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES),
                              retry_on_error=[ConnectionError, TimeoutError], **options)
 

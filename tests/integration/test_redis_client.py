@@ -51,3 +51,28 @@ async def test_pooled_connections_survive_a_redis_restart(redis_port):
     finally:
         await client.aclose()
         restarted.kill()
+
+
+async def test_a_redis_that_stops_answering_fails_commands_in_bounded_time_and_recovers(redis_port):
+    import os
+    import signal
+
+    port, process = redis_port
+    client = redis_client.connect(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5, socket_connect_timeout=0.5)
+    assert await client.set("k", "1")
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await client.get("k")
+        assert time.monotonic() - started < (redis_client.RETRIES + 1) * 0.5 + 2  # the retries' backoff on top
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+    assert await client.get("k") == b"1"
+    await client.aclose()
+
+
+def test_clients_time_out_by_default():
+    client = redis_client.connect("redis://127.0.0.1:1/0")
+    kwargs = client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == redis_client.SOCKET_TIMEOUT_S
