@@ -41,9 +41,27 @@ def _docker_compose() -> str:
 def services() -> dict:
     """The services of `docker-compose config` (with the colocated profile): what compose would run."""
     reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "--profile", "colocated", "config"],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120,
+                           env={**_without_publish_settings(), "GRAFANA_ADMIN_PASSWORD": "compose-test"})
     assert reply.returncode == 0, reply.stderr
     return yaml.safe_load(reply.stdout)["services"]
+
+
+def _without_publish_settings() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("DISTSERVE_PUBLISH_ADDR", "GRAFANA_ADMIN_PASSWORD")}
+
+
+def test_published_ports_bind_the_hosts_loopback_unless_told(services):
+    for name in PUBLISHED:
+        for entry in services[name]["ports"]:
+            host_ip = entry["host_ip"] if isinstance(entry, dict) else str(entry).split(":")[0]
+            assert host_ip == "127.0.0.1", f"{name} publishes {entry} beyond the host's loopback"
+
+
+def test_grafana_has_no_default_password():
+    reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True,
+                           text=True, timeout=120, env=_without_publish_settings())
+    assert reply.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in reply.stderr
 
 
 def _published_ports(service: dict) -> set[int]:
