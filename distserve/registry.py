@@ -28,6 +28,9 @@ from distserve.redis_client import raise_if_cancelled
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "distserve:worker:"
+# A worker whose lease lapsed (no heartbeat: hung, paused or dead; a graceful exit deregisters instead)
+# stays in its role's index this long after, so that every router's next refresh sees it lapse.
+LAPSED_KEPT_S = 60.0
 SPILLING_KEY = "distserve:spilling"  # set (with a short expiry) by a router while it spills requests
 
 
@@ -85,11 +88,21 @@ class WorkerRegistry:
 
     async def list(self, role: str) -> list[WorkerRecord]:
         """Live workers of a role; records that fail to parse are skipped (and logged)."""
-        await self._redis.zremrangebyscore(index_key(role), "-inf", await server_time(self._redis))
-        ids = [i.decode() for i in await self._redis.zrange(index_key(role), 0, -1)]
+        return (await self.list_and_lapsed(role))[0]
+
+    async def list_and_lapsed(self, role: str) -> tuple[list[WorkerRecord], set[str]]:
+        """Live workers of a role, and the ids of those whose lease lapsed within LAPSED_KEPT_S (they
+        stopped heartbeating without deregistering: hung, paused or dead)."""
+        now = await server_time(self._redis)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(index_key(role), "-inf", now - LAPSED_KEPT_S)
+            pipe.zrange(index_key(role), 0, -1, withscores=True)
+            _, entries = await pipe.execute()
+        ids = [i.decode() for i, expires_at in entries if expires_at > now]
+        lapsed = {i.decode() for i, expires_at in entries if expires_at <= now}
         if not ids:
-            return []
-        return _parse_records(role, await self._redis.mget([worker_key(role, i) for i in ids]))
+            return [], lapsed
+        return _parse_records(role, await self._redis.mget([worker_key(role, i) for i in ids])), lapsed
 
 
 def lists_now(client: redis.Redis, roles: tuple[str, ...]) -> tuple[bool, dict[str, list[WorkerRecord]]]:

@@ -68,11 +68,30 @@ class WorkerPicker:
         self._inflight_decode_tokens: collections.Counter[str] = collections.Counter()
         self._spill_announced_at = -SPILL_ANNOUNCE_S
         self._suspect_until: dict[str, float] = {}
+        self._lapse_watchers: dict[str, asyncio.Event] = {}  # worker id -> set once its lease lapses
+        self._num_lapse_watches: collections.Counter[str] = collections.Counter()
 
     async def refresh(self) -> None:
+        lapsed: set[str] = set()
         for role in self._workers:
-            self._workers[role] = await self._registry.list(role)
+            self._workers[role], lapsed_here = await self._registry.list_and_lapsed(role)
+            lapsed |= lapsed_here
         self.prefix.retain({w.worker_id for records in self._workers.values() for w in records})
+        for worker_id in lapsed & self._lapse_watchers.keys():
+            self._lapse_watchers[worker_id].set()
+
+    @contextlib.contextmanager
+    def watch_lapse(self, worker: WorkerRecord):
+        """An asyncio.Event set if the worker's registry lease lapses (no heartbeat for lease_s: hung,
+        paused or dead) while the block runs; a graceful deregistration (draining) does not set it."""
+        event = self._lapse_watchers.setdefault(worker.worker_id, asyncio.Event())
+        self._num_lapse_watches[worker.worker_id] += 1
+        try:
+            yield event
+        finally:
+            self._num_lapse_watches[worker.worker_id] -= 1
+            if not self._num_lapse_watches[worker.worker_id]:
+                del self._num_lapse_watches[worker.worker_id], self._lapse_watchers[worker.worker_id]
 
     async def run_refresh(self, interval_s: float) -> None:
         while True:

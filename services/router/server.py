@@ -379,9 +379,23 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return stub.PrefillStream(call, timeout=self._config.prefill_timeout_s)
 
     async def _prefill_part(self, call, worker: WorkerRecord):
-        """The PrefillStream's next part (EOF after the last); raises StageFailed if the worker fails."""
+        """The PrefillStream's next part (EOF after the last); raises StageFailed if the worker fails,
+        or UNAVAILABLE as soon as its registry lease lapses (hung or paused: no heartbeat for lease_s),
+        instead of waiting out prefill_timeout_s or keepalive behind a worker that will not answer."""
+        read = asyncio.ensure_future(call.read())
+        with self._picker.watch_lapse(worker) as lapsed:
+            lapse = asyncio.ensure_future(lapsed.wait())
+            try:
+                await asyncio.wait((read, lapse), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lapse.cancel()
+                if not read.done():
+                    read.cancel()
+        if not read.done() or read.cancelled():
+            raise StageFailed(grpc.StatusCode.UNAVAILABLE, "its registry lease lapsed (no heartbeat) while "
+                              "prefilling", worker, "prefill")
         try:
-            return await call.read()
+            return read.result()
         except grpc.aio.AioRpcError as exc:
             raise StageFailed.of(exc, worker, "prefill") from exc
 

@@ -21,6 +21,7 @@ import redis
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.kvbroker.store import HANDLE_KEY_PREFIX
 from services.router.config import RouterConfig
+from tests.cluster_helpers import WORKER_LEASE_S
 from tests.faults.conftest import TRANSFER_TIMEOUT_S
 from tests.integration.test_metrics import scrape
 
@@ -196,6 +197,27 @@ def test_prefill_worker_killed_before_its_kv_is_pulled_is_prefilled_again(faults
 
     assert stream.result() == unfailed[1]
     assert _router_retries(faults_cluster, "decode") >= retries_before + 1
+
+
+def test_prompts_on_a_paused_prefill_worker_move_to_the_other_once_its_lease_lapses(faults_cluster, unfailed):
+    """One prefill worker is paused (SIGSTOP: hung, not dead, so its connection stays up); prompts routed
+    to it before its registry lease lapsed move to the other within seconds of the lapse, not after the
+    prefill timeout (120 s), and every answer is unchanged."""
+    time.sleep(RouterConfig().suspect_s)  # earlier kills leave a worker skipped this long: let both take prompts
+    paused = faults_cluster.processes[next(n for n in faults_cluster.processes if n.startswith("prefill"))].popen.pid
+    retries_before = _router_retries(faults_cluster, "prefill")
+    os.kill(paused, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        streams = _run_all(faults_cluster)
+        for stream in streams:
+            assert stream.first_token.wait(WORKER_LEASE_S + 10), "a prompt waited behind the paused worker"
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(paused, signal.SIGCONT)
+    assert [s.result() for s in streams] == unfailed
+    assert _router_retries(faults_cluster, "prefill") >= retries_before + 1, "no prompt went to the paused worker"
+    assert elapsed < WORKER_LEASE_S + 10
 
 
 def test_prefill_worker_killed_while_prefilling_is_retried_on_the_other(faults_cluster, unfailed):

@@ -62,3 +62,33 @@ def test_graceful_stop_deregisters_at_once(cluster):
         for spare in spares:
             if spare.popen.poll() is None:
                 spare.popen.kill()
+
+
+async def test_a_lapsed_lease_is_reported_for_a_while_and_a_deregistration_is_not():
+    """list_and_lapsed, on a real Redis: a worker that stopped heartbeating is lapsed (every router's
+    refresh sees it), one that deregistered is simply gone, one heartbeating again is live again."""
+    import asyncio
+
+    from distserve import redis_client
+    from distserve.registry import WorkerRecord, WorkerRegistry
+    from tests.integration.test_redis_client import start_redis
+
+    port = free_port()
+    process = start_redis(port)
+    client = redis_client.connect(f"redis://127.0.0.1:{port}/0")
+    try:
+        registry = WorkerRegistry(client, lease_s=0.3)
+        for worker_id in ("hung", "leaving", "healthy"):
+            await registry.publish(WorkerRecord(worker_id, "prefill", f"{worker_id}:1"))
+        await registry.remove("prefill", "leaving")
+        await asyncio.sleep(0.5)
+        await registry.publish(WorkerRecord("healthy", "prefill", "healthy:1"))
+        live, lapsed = await registry.list_and_lapsed("prefill")
+        assert [w.worker_id for w in live] == ["healthy"] and lapsed == {"hung"}
+        assert (await registry.list_and_lapsed("prefill"))[1] == {"hung"}, "seen by the next refresh too"
+        await registry.publish(WorkerRecord("hung", "prefill", "hung:1"))  # back
+        live, lapsed = await registry.list_and_lapsed("prefill")
+        assert sorted(w.worker_id for w in live) == ["healthy", "hung"] and not lapsed
+    finally:
+        await client.aclose()
+        process.kill()

@@ -293,3 +293,25 @@ def test_a_spilled_prompt_goes_to_the_half_that_has_it_cached_when_that_saves_mo
     picker.remember(spill[0], prompt)  # p has the prompt's 1024 tokens cached: 500 queued - 1024 saved
     assert picker.busy_seconds(spill, prompt)["p"] == pytest.approx((500 - 1024) * 1e-4)
     assert picker.pick_spill(1024, 1100, prompt).worker_id == "p"
+
+
+async def test_a_watched_worker_whose_lease_lapses_is_signalled_and_a_draining_one_is_not():
+    import asyncio
+
+    class Registry:
+        lapsed: set[str] = set()
+
+        async def list_and_lapsed(self, role):
+            return [], (self.lapsed if role == "prefill" else set())
+
+    registry = Registry()
+    picker = WorkerPicker(registry=registry, suspect_s=5.0)
+    hung, draining = WorkerRecord("p-hung", "prefill", "h:1"), WorkerRecord("p-draining", "prefill", "d:1")
+    with picker.watch_lapse(hung) as hung_lapsed, picker.watch_lapse(draining) as draining_lapsed:
+        await picker.refresh()  # both gone from the live list; neither lapsed yet
+        assert not hung_lapsed.is_set() and not draining_lapsed.is_set()
+        registry.lapsed = {"p-hung"}  # its lease ran out; the draining one deregistered instead
+        await picker.refresh()
+        await asyncio.wait_for(hung_lapsed.wait(), 1)
+        assert not draining_lapsed.is_set()
+    assert not picker._lapse_watchers, "watches end with their blocks"
