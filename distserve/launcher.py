@@ -41,6 +41,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -241,6 +242,10 @@ class ManagedProcess:
     def exit_code(self) -> int | None:
         return self.popen.poll()
 
+    def kill(self) -> None:
+        """SIGKILL: the supervisor's way to end a hung child (it is then restarted as any dead one)."""
+        self.popen.kill()
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -286,7 +291,7 @@ class Cluster:
             raise
         if self.spec.supervise:
             self.supervisor = Supervisor(lambda: list(self.processes.values()), self.respawn,
-                                         self.spec.restart_policy, self.write_state).start()
+                                         self.spec.restart_policy, self.write_state, self.answers).start()
         self.control_placement = self._follow_load()
         self.write_state()
         return self
@@ -498,6 +503,36 @@ class Cluster:
             if time.monotonic() >= deadline:
                 raise self._report_failure(waiting[0], f"not healthy within {timeout_s:.0f} s")
             time.sleep(0.2)
+
+    def answers(self, process: ManagedProcess) -> bool | None:
+        """Whether the child answers its health check now, whatever it says (gRPC Check, the gateway's
+        /health, Redis's PING), each within 1 s; None for a child without one. The supervisor's hang
+        probe: a worker NOT_SERVING or a gateway answering 503 (say, while the router restarts) is alive."""
+        if process.address:
+            with blocking_channel(process.address, self.spec.tls) as channel:
+                try:
+                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                except grpc.RpcError as exc:
+                    return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                return True
+        port = int(process.argv[process.argv.index("--port") + 1]) if "--port" in process.argv else 0
+        if process.name == "redis" and port:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                    sock.settimeout(1)
+                    sock.sendall(b"PING\r\n")
+                    return sock.recv(16).startswith(b"+PONG")
+            except OSError:
+                return False
+        if process.name == "gateway" and self.gateway_url:
+            try:
+                with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=1):
+                    return True
+            except urllib.error.HTTPError:  # it answered, with an error status
+                return True
+            except (OSError, ValueError):  # no connection, or no answer in time
+                return False
+        return None
 
     def _is_serving(self, process: ManagedProcess) -> bool:
         with blocking_channel(process.address, self.spec.tls) as channel:

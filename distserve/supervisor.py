@@ -1,4 +1,4 @@
-"""Supervision: a thread that restarts any child of a Cluster that dies.
+"""Supervision: a thread that restarts any child of a Cluster that dies, or hangs.
 
 A child's life: running -> (it exits) restarting -> (backoff elapsed) running
 again, on the same argv, environment, ports and log file; or, when it has
@@ -7,6 +7,11 @@ launcher logs that loudly. The wait before a restart doubles from
 `initial_backoff_s` to `max_backoff_s`, and returns to `initial_backoff_s` once
 the child has stayed up `stable_after_s`. Each exit is logged with its cause
 (exit code or signal) and the last lines of the child's log.
+
+A hung child (paused, deadlocked: alive but not answering) is found by a second thread that probes
+every child's health every PROBE_S: one that answered once since it (re)started and then fails every
+probe for `hang_after_s` is killed (SIGKILL), and so restarted as above. A child still starting (never
+answered yet) is left alone, however slow its start.
 
 Restarted children keep their addresses, so clients reconnect to them, and
 workers re-register in Redis with their next heartbeat (also after a Redis
@@ -26,6 +31,7 @@ from typing import Callable, Protocol
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
+PROBE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +45,9 @@ class RestartPolicy:
     max_restarts: int = 5
     """This many restarts within window_s is a crash loop: the child is left down (failed)."""
     window_s: float = 60.0
+    hang_after_s: float = 30.0
+    """A child that answered its health probe since it started and then fails every probe this long is
+    hung: it is killed, then restarted. 0: never."""
 
 
 class Supervised(Protocol):
@@ -52,6 +61,8 @@ class Supervised(Protocol):
 
     def log_tail(self, lines: int = 40) -> str: ...
 
+    def kill(self) -> None: ...
+
 
 @dataclasses.dataclass
 class _Track:
@@ -61,6 +72,7 @@ class _Track:
     started_at: float
     restart_at: float | None = None  # when a pending restart is due
     recent: collections.deque = dataclasses.field(default_factory=collections.deque)  # restart times
+    answered_at: float | None = None  # the last health probe it answered since it (re)started
 
 
 def describe_exit(code: int) -> str:
@@ -78,24 +90,57 @@ class Supervisor:
     when shutting down, so nothing is restarted while being stopped. `on_change` runs after each state change."""
 
     def __init__(self, children: Callable[[], list[Supervised]], respawn: Callable[[Supervised], None],
-                 policy: RestartPolicy = RestartPolicy(), on_change: Callable[[], None] = lambda: None):
+                 policy: RestartPolicy = RestartPolicy(), on_change: Callable[[], None] = lambda: None,
+                 probe: Callable[[Supervised], bool | None] | None = None):
+        """probe(child): whether it answers its health check now (None: it has none); with a probe and
+        policy.hang_after_s, hung children are killed (module docstring)."""
         self._children = children
         self._respawn = respawn
         self.policy = policy
         self._on_change = on_change
+        self._probe = probe
         self._tracks: dict[str, _Track] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distserve-supervisor", daemon=True)
+        self._prober = threading.Thread(target=self._run_probes, name="distserve-health-probe", daemon=True)
 
     def start(self) -> "Supervisor":
         self._thread.start()
+        if self._probe is not None and self.policy.hang_after_s > 0:
+            self._prober.start()
         return self
 
     def stop(self) -> None:
-        """Stops supervising; returns once no restart is in progress. Idempotent."""
+        """Stops supervising; returns once no restart or kill is in progress. Idempotent."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        for thread in (self._thread, self._prober):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join()
+
+    def _run_probes(self) -> None:
+        while not self._stop.wait(PROBE_S):
+            for child in self._children():
+                try:
+                    self.probe(child, time.monotonic())
+                except Exception:  # one failed probe or kill must not end the others' probing
+                    log.exception("supervisor: probing %s failed", child.name)
+
+    def probe(self, child: Supervised, now: float) -> None:
+        """One hang check of one running child at time `now` (monotonic seconds)."""
+        track = self._tracks.get(child.name)
+        if track is None or child.state != "running" or child.exit_code() is not None:
+            return
+        started_at = track.started_at
+        answered = self._probe(child)
+        if answered is None or track.started_at != started_at:  # no probe, or restarted meanwhile
+            return
+        if answered:
+            track.answered_at = now
+        elif track.answered_at is not None and now - track.answered_at >= self.policy.hang_after_s:
+            log.error("%s has not answered its health check for %.0f s: hung; killing it to restart it. "
+                      "Last log lines:\n%s", child.name, now - track.answered_at, child.log_tail(10))
+            track.answered_at = None
+            child.kill()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -145,6 +190,7 @@ class Supervisor:
         track.recent.append(now)
         track.restart_at = None
         track.started_at = now
+        track.answered_at = None
         track.backoff_s = min(track.backoff_s * 2, self.policy.max_backoff_s)
         log.warning("%s restarted (restart %d)", child.name, child.restarts)
         self._on_change()

@@ -205,6 +205,32 @@ def test_gateway_killed(faults_cluster, reference):
         assert reply.status == 200  # the gateway answers again
 
 
+@pytest.mark.parametrize("name", ["kvbroker", "decode-1"])
+def test_a_hung_child_is_killed_and_restarted(faults_cluster, reference, name):
+    """SIGSTOP: alive but answering nothing. Past the hang window (3 s here, 30 s by default) the
+    supervisor kills it, restarts it, and the system answers as before."""
+    import os
+    import signal
+
+    supervisor = faults_cluster.supervisor
+    policy = supervisor.policy
+    supervisor.policy = dataclasses.replace(policy, hang_after_s=3.0)
+    process = faults_cluster.processes[name]
+    old_pid, old_restarts = process.popen.pid, process.restarts
+    try:
+        os.kill(old_pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while process.restarts == old_restarts and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        supervisor.policy = policy
+        if process.popen.pid == old_pid:
+            os.kill(old_pid, signal.SIGCONT)
+    assert process.restarts == old_restarts + 1 and process.popen.pid != old_pid, "the hung child was not restarted"
+    wait_recovered(faults_cluster, NUM_PREFILL, NUM_DECODE, timeout_s=90)
+    assert answer(faults_cluster) == reference
+
+
 def test_status_shows_every_service_with_restarts_health_and_load(faults_cluster, reference):
     # After the kills above (when run with them): their restarts show, and every child is SERVING again.
     reply = subprocess.run([sys.executable, "-m", "distserve.cli", "status", "--state-file",

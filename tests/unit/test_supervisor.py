@@ -98,3 +98,61 @@ def test_stop_ends_supervision_without_restarting():
     supervisor.check(child, 0.0)
     supervisor.check(child, 10.0)
     assert child.spawned == 0
+
+
+@dataclasses.dataclass
+class ProbedChild(FakeChild):
+    """A child whose health answer the test sets; kill() makes it exit as SIGKILL does."""
+
+    answering: bool | None = True
+    killed: int = 0
+
+    def kill(self) -> None:
+        self.killed += 1
+        self.code = -signal.SIGKILL
+
+
+def probed_supervisor(child: ProbedChild, hang_after_s: float = 10.0) -> Supervisor:
+    def respawn(c: ProbedChild) -> None:
+        c.code, c.spawned = None, c.spawned + 1
+
+    return Supervisor(lambda: [child], respawn, dataclasses.replace(POLICY, hang_after_s=hang_after_s),
+                      probe=lambda c: c.answering)
+
+
+def test_a_child_that_stops_answering_for_the_hang_window_is_killed_then_restarted():
+    child = ProbedChild()
+    supervisor = probed_supervisor(child)
+    supervisor.check(child, 0.0)
+    supervisor.probe(child, 1.0)  # answered once: it is up
+    child.answering = False
+    for t in (2.0, 6.0, 10.9):
+        supervisor.probe(child, t)
+    assert child.killed == 0, "not yet hung for 10 s"
+    supervisor.probe(child, 11.0)
+    assert child.killed == 1
+    supervisor.check(child, 11.1)  # its exit is seen as any other
+    assert child.state == "restarting"
+    supervisor.check(child, 11.7)
+    assert child.spawned == 1 and child.state == "running"
+    for t in (12.0, 30.0, 60.0):  # restarted, still starting (never answered since): left alone
+        supervisor.probe(child, t)
+    assert child.killed == 1
+
+
+def test_a_slow_starter_a_child_without_a_probe_and_a_disabled_window_are_left_alone():
+    starting = ProbedChild(answering=False)
+    supervisor = probed_supervisor(starting)
+    supervisor.check(starting, 0.0)
+    for t in range(1, 120, 5):
+        supervisor.probe(starting, float(t))
+    assert starting.killed == 0, "it never answered: starting, not hung"
+    unprobed = ProbedChild(answering=None)
+    supervisor = probed_supervisor(unprobed)
+    supervisor.check(unprobed, 0.0)
+    for t in range(1, 120, 5):
+        supervisor.probe(unprobed, float(t))
+    assert unprobed.killed == 0
+    disabled = probed_supervisor(ProbedChild(), hang_after_s=0).start()
+    assert not disabled._prober.is_alive()
+    disabled.stop()
