@@ -75,8 +75,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-port", type=int, default=8000, help="HTTP gateway port; -1: no gateway")
     parser.add_argument("--served-model-name", default="", help="model name in the OpenAI API (default: folder)")
     parser.add_argument("--api-key-file", default="",
-                        help="require `Authorization: Bearer KEY` on the gateway, KEY read from this file "
-                             "(or set DISTSERVE_API_KEY; never on the command line, where `ps` shows it)")
+                        help="require `Authorization: Bearer KEY` on the gateway and the router's gRPC API, "
+                             "KEY read from this file (or set DISTSERVE_API_KEY; never on the command line, "
+                             "where `ps` shows it)")
     parser.add_argument("--chat-template", default="", metavar="FILE_OR_STRING",
                         help="the gateway's chat template: a Jinja file, or the template text; overrides the "
                              "tokenizer's (needed for a model without one)")
@@ -88,7 +89,6 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
 def _spec(args) -> ClusterSpec:
     # Build (or find) the model once here, so the workers only load it.
     gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
-    gateway_args += ["--api-key-file", args.api_key_file] if args.api_key_file else []
     gateway_args += ["--chat-template", _absolute_if_file(args.chat_template)] if args.chat_template else []
     default = 0 if args.colocated else 1
     num_prefill = default if args.prefill is None else args.prefill
@@ -112,6 +112,9 @@ def _spec(args) -> ClusterSpec:
                        control_cpus=args.control_cpus,
                        tls=make_dev_certs(args.tls_dir) if args.tls_dir else PLAINTEXT,
                        env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device,
+                            # the gateway and the router both take the key (the router from the gateway)
+                            **({"DISTSERVE_API_KEY_FILE": os.path.abspath(args.api_key_file)}
+                               if args.api_key_file else {}),
                             **({} if args.prefix_caching else {"DISTSERVE_PREFIX_CACHING": "0"})})
     return _on_free_ports(spec) if args.free_ports else spec
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from distserve.bearer_key import call_metadata, key_from_env
 from distserve.convert import finish_from_proto, sampling_to_proto
 from distserve.request_types import TokenLogprobs
 from distserve.request_types import FinishReason
@@ -219,10 +220,13 @@ class DistServeClient:
     included, has a deadline of timeout_s (None: none). With `tls`, the channel presents its client
     certificate (mutual TLS, as every distserve service requires when the cluster runs with TLS)."""
 
-    def __init__(self, address: str, tls: TlsConfig | None = None, timeout_s: float | None = None):
+    def __init__(self, address: str, tls: TlsConfig | None = None, timeout_s: float | None = None,
+                 api_key: str | None = None):
+        """api_key: the key a router started with one wants (default: DISTSERVE_API_KEY, if set)."""
         self._channel = aio_channel(address, tls or PLAINTEXT)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._timeout_s = timeout_s
+        self._metadata = call_metadata(key_from_env() if api_key is None else api_key)
 
     async def __aenter__(self) -> DistServeClient:
         return self
@@ -241,7 +245,7 @@ class DistServeClient:
         overriding `sampling`'s; n, best_of, echo and user are GenerateRequest's (router.proto)."""
         request = build_request(prompt, sampling, n=n, best_of=best_of, echo=echo, user=user,
                                 request_id=request_id, **params)
-        call = self._stub.Generate(request, timeout=self._timeout_s)
+        call = self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata)
         try:
             with _as_distserve_errors():
                 async for message in call:
@@ -259,13 +263,13 @@ class DistServeClient:
         """The token ids the router makes of this text prompt."""
         with _as_distserve_errors():
             reply = await self._stub.Tokenize(_tokenize_request(text, add_special_tokens, return_token_strs),
-                                              timeout=self._timeout_s)
+                                              timeout=self._timeout_s, metadata=self._metadata)
         return _tokenized(reply)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         with _as_distserve_errors():
             reply = await self._stub.Detokenize(router_pb2.DetokenizeRequest(token_ids=token_ids),
-                                                timeout=self._timeout_s)
+                                                timeout=self._timeout_s, metadata=self._metadata)
         return reply.text
 
 
@@ -273,10 +277,13 @@ class DistServeSyncClient:
     """DistServeClient's calls on a blocking channel (scripts, threads); `with` it, or call close().
     Leaving a `for` over generate() early, or close() on its iterator, cancels the call."""
 
-    def __init__(self, address: str, tls: TlsConfig | None = None, timeout_s: float | None = None):
+    def __init__(self, address: str, tls: TlsConfig | None = None, timeout_s: float | None = None,
+                 api_key: str | None = None):
+        """api_key: the key a router started with one wants (default: DISTSERVE_API_KEY, if set)."""
         self._channel = blocking_channel(address, tls or PLAINTEXT)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
         self._timeout_s = timeout_s
+        self._metadata = call_metadata(key_from_env() if api_key is None else api_key)
 
     def __enter__(self) -> DistServeSyncClient:
         return self
@@ -292,7 +299,7 @@ class DistServeSyncClient:
                  **params: Any) -> Iterator[Chunk]:
         request = build_request(prompt, sampling, n=n, best_of=best_of, echo=echo, user=user,
                                 request_id=request_id, **params)
-        call = self._stub.Generate(request, timeout=self._timeout_s)
+        call = self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata)
         try:
             with _as_distserve_errors():
                 yield from map(chunk_from_proto, call)
@@ -305,9 +312,9 @@ class DistServeSyncClient:
     def tokenize(self, text: str, *, add_special_tokens: bool = True, return_token_strs: bool = False) -> Tokenized:
         with _as_distserve_errors():
             return _tokenized(self._stub.Tokenize(_tokenize_request(text, add_special_tokens, return_token_strs),
-                                                  timeout=self._timeout_s))
+                                                  timeout=self._timeout_s, metadata=self._metadata))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         with _as_distserve_errors():
             return self._stub.Detokenize(router_pb2.DetokenizeRequest(token_ids=token_ids),
-                                         timeout=self._timeout_s).text
+                                         timeout=self._timeout_s, metadata=self._metadata).text

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -146,6 +146,7 @@ async def run_grpc_server(
     stop_event: asyncio.Event | None = None,
     drain_s: float = 0.0,
     tls: TlsConfig = PLAINTEXT,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Serves until SIGTERM/SIGINT (or stop_event). on_ready gets the bound port.
 
@@ -153,7 +154,7 @@ async def run_grpc_server(
     routed to it just before it left the registry still land; then it stops taking new calls and
     lets in-flight ones finish for up to grace_s.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in services:

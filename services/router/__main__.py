@@ -10,6 +10,7 @@ from pathlib import Path
 
 
 from distserve import event_loop, redis_client
+from distserve.bearer_key import BearerKeyInterceptor
 from distserve.config import parse_config
 from distserve.engine.model_loader import load_tokenizer, resolve_model_path
 from distserve.model_spec import load_model_spec
@@ -45,7 +46,8 @@ async def serve(config: RouterConfig) -> None:
 
     service = Service(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "distserve.v1.RouterService")
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, tls=config)
+        await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, tls=config,
+                              interceptors=[BearerKeyInterceptor(config.api_key)] if config.api_key else [])
     finally:
         for task in tasks:
             task.cancel()
@@ -59,7 +61,7 @@ async def serve(config: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     setup_logging("router")
     init_tracing("distserve-router")
-    config = parse_config(RouterConfig, argv, prefix="DISTSERVE_ROUTER_")
+    config = parse_config(RouterConfig, argv, prefix="DISTSERVE_ROUTER_").with_api_key_from_file()
     event_loop.run(serve(config))
 
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from distserve.bearer_key import ApiKeyConfig
 from distserve.config import require, setting
 from distserve.grpc_server import TlsConfig
 from distserve.spill_policy import SpillPolicy
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterConfig(TlsConfig):
-    """router: public streaming Generate API in front of prefill and decode workers."""
+class RouterConfig(TlsConfig, ApiKeyConfig):
+    """router: public streaming Generate API in front of prefill and decode workers. With an API key
+    (the gateway's: DISTSERVE_API_KEY) every call but health checks must present it."""
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
     metrics_port: int = setting(9100, "port of the Prometheus /metrics endpoint (0: off)")
@@ -53,3 +55,4 @@ class RouterConfig(TlsConfig):
         require(self.spill_prefill_tokens >= 0, "spill_prefill_tokens", "must be >= 0 (0: never on that count)")
         require(self.spill_decode_running >= 0, "spill_decode_running", "must be >= 0 (0: never on that count)")
         require(self.spill_burst_tokens >= 0, "spill_burst_tokens", "must be >= 0 (0: never)")
+        self.check_api_key_settings()

@@ -41,8 +41,8 @@ def secure_cluster(tiny_model_path, tmp_path_factory, certs):
         yield cluster
 
 
-def generate(address: str, tls: TlsConfig) -> Completion:
-    with DistServeSyncClient(address, tls, timeout_s=60) as client:
+def generate(address: str, tls: TlsConfig, api_key: str = API_KEY) -> Completion:
+    with DistServeSyncClient(address, tls, timeout_s=60, api_key=api_key) as client:
         return client.complete("hello", max_tokens=3, temperature=0)
 
 
@@ -58,7 +58,15 @@ def test_the_router_answers_a_client_with_the_right_certificate(secure_cluster, 
     assert len(answer.token_ids) == 3 and answer.finish_reason
 
 
-def test_distserve_generate_with_the_tls_dir_of_distserve_up(secure_cluster, certs, capsys):
+def test_the_router_refuses_a_call_without_the_api_key_even_with_the_right_certificate(secure_cluster, certs):
+    for key in ("", "sk-wrong"):
+        with pytest.raises(DistServeError) as error:
+            generate(secure_cluster.router_address, certs, api_key=key)
+        assert error.value.code == grpc.StatusCode.UNAUTHENTICATED and "authorization" in error.value.message
+
+
+def test_distserve_generate_with_the_tls_dir_of_distserve_up(secure_cluster, certs, capsys, monkeypatch):
+    monkeypatch.setenv("DISTSERVE_API_KEY", API_KEY)  # the CLI presents the deployment's key from there
     tls_dir = str(Path(certs.tls_ca).parent)
     argv = ["generate", "hello", "--router", secure_cluster.router_address, "--max-tokens", "3"]
     assert main([*argv, "--tls-dir", tls_dir]) == 0

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from distserve.bearer_key import ApiKeyConfig
 from distserve.config import ConfigError, require, setting
 from distserve.grpc_server import TlsConfig
 
@@ -13,8 +14,9 @@ _TEMPLATE_CHARS = "{}\n"  # every Jinja template that prints or loops has one; a
 
 
 @dataclasses.dataclass(frozen=True)
-class GatewayConfig(TlsConfig):
-    """gateway: OpenAI-compatible HTTP API (SSE streaming) in front of the router."""
+class GatewayConfig(TlsConfig, ApiKeyConfig):
+    """gateway: OpenAI-compatible HTTP API (SSE streaming) in front of the router. With an API key it
+    requires `Authorization: Bearer <key>` on /v1/* and /metrics, and presents the key to the router."""
 
     host: str = setting("127.0.0.1", "interface to bind the HTTP server to")
     port: int = setting(8000, "HTTP port")
@@ -25,11 +27,6 @@ class GatewayConfig(TlsConfig):
                              env="DISTSERVE_REDIS_URL")
     served_model_name: str = setting("", "model name clients send and /v1/models lists "
                                          "(default: the model folder's name)")
-    api_key: str = setting("", "when set, require `Authorization: Bearer <key>` on /v1/* and /metrics; "
-                               "environment only (a flag would show the key to `ps`)",
-                           env="DISTSERVE_API_KEY", flag=False)
-    api_key_file: str = setting("", "file holding the API key (one line); instead of DISTSERVE_API_KEY",
-                                env="DISTSERVE_API_KEY_FILE")
     request_timeout_s: float = setting(600.0, "deadline for one request's router call")
     health_timeout_s: float = setting(1.0, "deadline for each check behind GET /health")
     retry_after_s: int = setting(1, "Retry-After seconds sent with 429 (router out of KV capacity)")
@@ -46,19 +43,7 @@ class GatewayConfig(TlsConfig):
         require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
         require(self.max_body_mb > 0, "max_body_mb", "must be > 0")
         require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
-        require(not (self.api_key and self.api_key_file), "api_key_file",
-                "set either DISTSERVE_API_KEY or api_key_file, not both")
-
-    def with_api_key_from_file(self) -> GatewayConfig:
-        """This config with api_key read from api_key_file (when set); ConfigError naming it if unreadable."""
-        if not self.api_key_file:
-            return self
-        try:
-            key = Path(self.api_key_file).read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from exc
-        require(bool(key), "api_key_file", f"{self.api_key_file} is empty")
-        return dataclasses.replace(self, api_key=key, api_key_file="")
+        self.check_api_key_settings()
 
     def load_chat_template(self) -> str | None:
         """The chat template text: chat_template read from the file it names, or taken as the template itself;

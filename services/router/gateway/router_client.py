@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from distserve import redis_client
 from distserve import tracing
+from distserve.bearer_key import call_metadata
 from distserve.grpc_server import aio_channel
 from distserve.registry import WorkerRegistry
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -73,6 +74,7 @@ class RouterClient:
         self._config = config
         self._channel = aio_channel(config.router_address, config, tracing.client_interceptors())
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
+        self._metadata = call_metadata(config.api_key)  # the router wants the deployment's key too
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._redis = redis_client.connect(config.redis_url, socket_connect_timeout=config.health_timeout_s,
                                         socket_timeout=config.health_timeout_s)
@@ -80,7 +82,7 @@ class RouterClient:
 
     def generate(self, request: router_pb2.GenerateRequest, params: Mapping[str, str]) -> RouterAnswer:
         """Starts the call; `params` maps router field names to the client's for 400 messages."""
-        call = self._stub.Generate(request, timeout=self._config.request_timeout_s)
+        call = self._stub.Generate(request, timeout=self._config.request_timeout_s, metadata=self._metadata)
         return RouterAnswer(call, params, self._config.retry_after_s, max(request.n, 1))
 
     async def tokenize(self, request: router_pb2.TokenizeRequest,
@@ -95,7 +97,7 @@ class RouterClient:
 
     async def _unary(self, method, request, params: Mapping[str, str]):
         try:
-            return await method(request, timeout=self._config.request_timeout_s)
+            return await method(request, timeout=self._config.request_timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise from_router_error(exc.code(), exc.details(), params, self._config.retry_after_s) from None
 
