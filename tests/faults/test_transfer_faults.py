@@ -61,7 +61,8 @@ async def receiver():
 
 
 async def timed_pull(receiver: KvReceiver, address: str, handle_id: str, **kwargs) -> tuple[float, object]:
-    """(seconds, the exception or the pulled tensor)."""
+    """(seconds, the exception or the pulled tensor); the peer's secret unless `secret` says otherwise."""
+    kwargs.setdefault("secret", SECRET)
     out = torch.zeros(SHAPE)
     started = time.monotonic()
     try:
@@ -131,6 +132,7 @@ async def test_a_stranger_with_the_handle_id_but_not_its_secret_is_refused(peers
         seconds, result = await timed_pull(receiver, peer.address, "S", secret=wrong)
         assert isinstance(result, PullRefused) and "refused" in str(result), repr(result)
     assert_pulled(*await timed_pull(receiver, peer.address, "S", secret=SECRET), 3.0)
-    # A handle held without a secret is refused to a puller presenting one (empty means "no secret").
-    seconds, result = await timed_pull(receiver, peer.address, "A", secret=SECRET)
-    assert isinstance(result, PullRefused), repr(result)
+    # A handle held without a secret admits no puller: none presenting a secret, none presenting "".
+    for secret in (SECRET, ""):
+        seconds, result = await timed_pull(receiver, peer.address, "OPEN", secret=secret)
+        assert isinstance(result, PullRefused), repr(result)

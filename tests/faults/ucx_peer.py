@@ -31,10 +31,11 @@ class StallingSender(KvSender):
 
 def held_buffers() -> HeldKv:
     held = HeldKv(max_bytes=1 << 30)
-    held.add("A", torch.full(SHAPE, 1.0), lease_s=3600)
-    held.add("B", torch.full(SHAPE, 2.0), lease_s=3600)
+    held.add("A", torch.full(SHAPE, 1.0), lease_s=3600, secret=SECRET)
+    held.add("B", torch.full(SHAPE, 2.0), lease_s=3600, secret=SECRET)
     held.add("S", torch.full(SHAPE, 3.0), lease_s=3600, secret=SECRET)
-    held.add(STALLED_HANDLE, torch.full(SHAPE, 4.0), lease_s=3600)
+    held.add(STALLED_HANDLE, torch.full(SHAPE, 4.0), lease_s=3600, secret=SECRET)
+    held.add("OPEN", torch.full(SHAPE, 5.0), lease_s=3600)  # held without a secret: admits no puller
     return held
 
 
