@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import os
 from pathlib import Path
 
@@ -30,10 +31,18 @@ class ApiKeyConfig:
                            env=ENV, flag=False)
     api_key_file: str = setting("", "file holding the API key (one line); instead of DISTSERVE_API_KEY",
                                 env="DISTSERVE_API_KEY_FILE")
+    allow_unauthenticated: bool = setting(False, "serve on a non-loopback host without an API key or mutual "
+                                                 "TLS (e.g. inside a container network that is itself closed)")
 
-    def check_api_key_settings(self) -> None:
+    def check_api_key_settings(self, host: str, has_tls: bool) -> None:
+        """ConfigError naming the field: both a key and a key file; or a non-loopback `host` with neither a
+        key nor TLS, unless allow_unauthenticated says so (anyone who reaches the port could call it)."""
         require(not (self.api_key and self.api_key_file), "api_key_file",
                 "set either DISTSERVE_API_KEY or api_key_file, not both")
+        require(is_loopback(host) or self.api_key or self.api_key_file or has_tls or self.allow_unauthenticated,
+                "host", f"{host} is not a loopback address, and without an API key (DISTSERVE_API_KEY or "
+                        "--api-key-file) or mutual TLS anyone who reaches it could call it; set one, or pass "
+                        "--allow-unauthenticated where the network itself is closed")
 
     def with_api_key_from_file(self):
         """This config with api_key read from api_key_file (when set); ConfigError naming it if unreadable."""
@@ -45,6 +54,16 @@ class ApiKeyConfig:
             raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from exc
         require(bool(key), "api_key_file", f"{self.api_key_file} is empty")
         return dataclasses.replace(self, api_key=key, api_key_file="")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP address or name) binds the loopback interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another name: it may resolve to anything
+        return False
 
 
 def key_from_env() -> str:

@@ -55,4 +55,4 @@ class RouterConfig(TlsConfig, ApiKeyConfig):
         require(self.spill_prefill_tokens >= 0, "spill_prefill_tokens", "must be >= 0 (0: never on that count)")
         require(self.spill_decode_running >= 0, "spill_decode_running", "must be >= 0 (0: never on that count)")
         require(self.spill_burst_tokens >= 0, "spill_burst_tokens", "must be >= 0 (0: never)")
-        self.check_api_key_settings()
+        self.check_api_key_settings(self.host, self.is_tls)

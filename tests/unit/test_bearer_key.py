@@ -76,3 +76,23 @@ def test_the_router_takes_the_key_from_the_environment_or_a_file_never_a_flag(mo
     assert config.with_api_key_from_file().api_key == KEY
     with pytest.raises(ConfigError, match="^api_key_file: set either"):
         RouterConfig(api_key="a", api_key_file=str(key_file))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "router.internal"])
+def test_a_router_or_gateway_on_a_non_loopback_host_needs_a_key_tls_or_an_explicit_flag(host):
+    from services.router.gateway.config import GatewayConfig
+
+    tls = dict(tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem")
+    for config in (RouterConfig, GatewayConfig):
+        with pytest.raises(ConfigError, match="^host: .* is not a loopback address"):
+            config(host=host)
+        config(host=host, api_key=KEY)
+        config(host=host, allow_unauthenticated=True)
+    RouterConfig(host=host, **tls)  # mutual TLS guards the router's gRPC port
+    with pytest.raises(ConfigError, match="^host:"):
+        GatewayConfig(host=host, **tls)  # the gateway's TLS is to the router: its HTTP port stays open
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_loopback_hosts_need_nothing(host):
+    RouterConfig(host=host)

@@ -43,7 +43,7 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
         require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
         require(self.max_body_mb > 0, "max_body_mb", "must be > 0")
         require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
-        self.check_api_key_settings()
+        self.check_api_key_settings(self.host, has_tls=False)  # its TLS is to the router; its HTTP port has none
 
     def load_chat_template(self) -> str | None:
         """The chat template text: chat_template read from the file it names, or taken as the template itself;
