@@ -59,6 +59,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         structured=structured_from_proto(msg.structured_output),
         cache_salt=msg.cache_salt,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),  # a map has no order: sorted, so equal maps compare equal
     )
 
 
@@ -129,6 +130,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         min_p=params.min_p,
         cache_salt=params.cache_salt,
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed

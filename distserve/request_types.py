@@ -54,10 +54,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # return the prompt tokens' logprobs and this many alternatives
     structured: StructuredSpec | None = None  # a grammar the output must follow
     cache_salt: str = ""  # prefix-cache namespace: only requests with equal salts share cached KV
+    # OpenAI's logit_bias: (token id, value added to its logit) pairs, sorted by token id, each id once
+    # (a tuple, so the params stay hashable). Added to the raw logits before the penalties.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

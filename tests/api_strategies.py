@@ -93,7 +93,9 @@ def generate_request(vocab_size: int, max_tokens: int = 4) -> st.SearchStrategy[
         stop_token_ids=st.lists(st.integers(-3, vocab_size + 3), max_size=6) | st.just([1] * 10_000),
         ignore_eos=st.booleans(), min_tokens=st.integers(-2, max_tokens) | int32,
         repetition_penalty=st.none() | floats, presence_penalty=st.none() | floats,
-        frequency_penalty=st.none() | floats, min_p=st.none() | floats)
+        frequency_penalty=st.none() | floats, min_p=st.none() | floats,
+        logit_bias=st.dictionaries(st.integers(-3, vocab_size + 3) | int32, floats, max_size=4)
+        | st.just({t: 1.0 for t in range(400)}))
     prompt = st.one_of(
         text.map(lambda t: {"text": t}),
         st.just({"text": "z" * 2_000_000}),

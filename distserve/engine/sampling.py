@@ -4,10 +4,11 @@ Seeded sampling is reproducible anywhere: the random stream for the n-th
 completion token depends only on (seed, n), so prefill and decode workers, or
 a retry on another worker, draw the same token.
 
-Order per token, as in vLLM: min_tokens bans -> penalties (repetition over
-prompt and output, presence/frequency over output) -> greedy argmax, or
-temperature -> min_p -> top-k -> top-p -> draw. With neutral penalties and
-min_p 0 nothing beyond the plain sampler is computed.
+Order per token, as in vLLM: min_tokens bans -> logit_bias -> penalties
+(repetition over prompt and output, presence/frequency over output) -> greedy
+argmax, or temperature -> min_p -> top-k -> top-p -> draw. With no bans, no
+logit_bias, neutral penalties and min_p 0 nothing beyond the plain sampler is
+computed.
 """
 
 from __future__ import annotations
@@ -121,12 +122,12 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int |
     """A token per row of logits [B, V] (float32; not modified), or the error that row's draw raised.
 
     Rows are batched where it pays: one argmax for the greedy rows, and one temperature, exp and
-    inverse-CDF draw for the sampled ones. Bans, penalties and filters are per row and computed only
-    for rows that set them. Each row's result depends only on its own logits and SampleRow.
+    inverse-CDF draw for the sampled ones. Bans, logit biases, penalties and filters are per row and
+    computed only for rows that set them. Each row's result depends only on its own logits and SampleRow.
     """
     tokens: list[int | Exception] = [0] * len(rows)
-    adjusted = {b: _banned_and_penalised(logits[b], row) for b, row in enumerate(rows)
-                if row.banned or row.params.has_penalties}  # row -> its own adjusted copy [V]
+    adjusted = {b: _adjusted(logits[b], row) for b, row in enumerate(rows)
+                if _adjusts_logits(row)}  # row -> its own adjusted copy [V]
     greedy = [b for b, row in enumerate(rows) if row.params.is_greedy]
     if greedy:
         for b, token in zip(greedy, logits[greedy].argmax(-1).tolist()):
@@ -171,15 +172,26 @@ def _sampled_weights(logits: torch.Tensor, rows: Sequence[SampleRow], sampled: l
 
 
 def _is_plain(params: SamplingParams) -> bool:
-    """Temperature only: no min_p, top-k or top-p filter (penalties and bans live in `adjusted`)."""
+    """Temperature only: no min_p, top-k or top-p filter (bans, biases and penalties live in `adjusted`)."""
     return params.min_p <= 0.0 and not 0 < params.top_k and params.top_p >= 1.0
 
 
-def _banned_and_penalised(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """logits [V] -> a copy with the row's banned tokens at -inf and its penalties applied."""
+def _adjusts_logits(row: SampleRow) -> bool:
+    """Whether the row needs its own copy of its logits: it bans tokens, biases them or penalises them.
+    Rows that do none of these (the common case) are read straight from the batch's logits."""
+    return bool(row.banned) or row.params.has_logit_bias or row.params.has_penalties
+
+
+def _adjusted(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """logits [V] -> a copy with the row's banned tokens at -inf, its logit bias added and its penalties
+    applied, in that order. A banned or grammar-masked token (-inf) stays -inf whatever its bias."""
     logits = logits.clone()
     if row.banned:
         logits[list(row.banned)] = float("-inf")
+    if row.params.has_logit_bias:
+        ids, values = zip(*row.params.logit_bias)
+        logits.index_add_(0, torch.tensor(ids, device=logits.device),
+                          torch.tensor(values, dtype=logits.dtype, device=logits.device))
     return apply_penalties(logits, row.params, row.prompt_token_ids, row.output_token_ids)
 
 

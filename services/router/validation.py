@@ -24,6 +24,8 @@ CACHE_SALT_CHARS = re.compile(r"[A-Za-z0-9_.:-]*")
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM sets no limit
 MAX_STOP_STRING_BYTES = 1024  # UTF-8 bytes of one stop string (text is held back while it may match one)
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| at most, as OpenAI allows
 MAX_REQUEST_ID_LEN = 128
 MAX_USER_LEN = 256
 MAX_COMPLETIONS = 16  # n and best_of
@@ -77,6 +79,7 @@ def validate_sampling(params: SamplingParams, prompt_len: int, spec: ModelSpec) 
     check(len(params.cache_salt) <= MAX_CACHE_SALT and CACHE_SALT_CHARS.fullmatch(params.cache_salt) is not None,
           "cache_salt", f"must be at most {MAX_CACHE_SALT} characters of [A-Za-z0-9_.:-]")
     validate_stops(params, spec)
+    validate_logit_bias(params, spec)
 
 
 def validate_stops(params: SamplingParams, spec: ModelSpec) -> None:
@@ -91,6 +94,18 @@ def validate_stops(params: SamplingParams, spec: ModelSpec) -> None:
           f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(params.stop_token_ids)}")
     bad = next((t for t in params.stop_token_ids if not 0 <= t < spec.vocab_size), None)
     check(bad is None, "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {spec.vocab_size})")
+
+
+def validate_logit_bias(params: SamplingParams, spec: ModelSpec) -> None:
+    """logit_bias: at most MAX_LOGIT_BIAS entries, each id in the vocabulary (the engine indexes its logits
+    with them) and each value finite and within +-MAX_LOGIT_BIAS_VALUE."""
+    bias = params.logit_bias
+    check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    bad = next((t for t, _ in bias if not 0 <= t < spec.vocab_size), None)
+    check(bad is None, "logit_bias", f"token id {bad} is outside the vocabulary [0, {spec.vocab_size})")
+    limit = MAX_LOGIT_BIAS_VALUE
+    token, value = next(((t, v) for t, v in bias if not (math.isfinite(v) and -limit <= v <= limit)), (None, None))
+    check(token is None, "logit_bias", f"the bias of token {token} must be in [-{limit:g}, {limit:g}], got {value}")
 
 
 def validate_request(request, tokenizer, spec: ModelSpec) -> tuple[list[int], SamplingParams]:
@@ -140,6 +155,7 @@ def _validate_before_tokenizing(request, spec: ModelSpec) -> SamplingParams:
     except ValueError as exc:  # structured.InvalidGrammar: a malformed structured_output
         raise InvalidRequest("structured_output", str(exc)) from None
     validate_stops(params, spec)
+    validate_logit_bias(params, spec)
     return params
 
 

@@ -23,6 +23,8 @@ BAD_REQUESTS = {
     "top_p above one": (token_request([5, 6], top_p=1.5), "top_p"),
     "token id beyond vocab": (token_request([5, VOCAB]), "prompt"),
     "negative token id": (token_request([-1, 5]), "prompt"),
+    "logit_bias id beyond vocab": (token_request([5, 6], logit_bias={VOCAB: 1.0}), "logit_bias"),
+    "logit_bias value above 100": (token_request([5, 6], logit_bias={7: 101.0}), "logit_bias"),
 }
 
 
@@ -53,6 +55,22 @@ def test_stop_token_and_max_tokens_one(cluster):
                        token_request([9, 10, 11], max_tokens=8, stop_token_ids=[stop_at], ignore_eos=True))
     assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
     assert stopped.last.finish_reason == 1  # STOP
+
+
+def test_logit_bias_steers_prefill_and_decode(cluster):
+    # The first token is sampled by a prefill worker, the rest by a decode worker: both apply the bias.
+    prompt = [9, 10, 11]
+    full = generate(cluster.router_address, token_request(prompt, max_tokens=6, ignore_eos=True))
+    target = next(t for t in range(100, VOCAB) if t not in full.token_ids)
+    forced = generate(cluster.router_address,
+                      token_request(prompt, max_tokens=6, ignore_eos=True, logit_bias={target: 100.0}))
+    assert forced.token_ids == [target] * 6
+    sampled = generate(cluster.router_address, token_request(prompt, max_tokens=6, ignore_eos=True, temperature=1.0,
+                                                             seed=3, logit_bias={target: 100.0}))
+    assert sampled.token_ids == [target] * 6
+    banned = generate(cluster.router_address,
+                      token_request(prompt, max_tokens=6, ignore_eos=True, logit_bias={full.token_ids[0]: -100.0}))
+    assert banned.token_ids[0] != full.token_ids[0] and full.token_ids[0] not in banned.token_ids
 
 
 def test_stop_string_ends_the_answer_and_usage_counts_only_tokens_up_to_it(cluster, tiny_model_path):

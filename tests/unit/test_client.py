@@ -23,7 +23,8 @@ from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 def test_sampling_and_keyword_arguments_map_one_to_one_to_the_request():
     sampling = Sampling(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, seed=11, stop=("\n",),
                         stop_token_ids=(2,), ignore_eos=True, min_tokens=1, repetition_penalty=1.25,
-                        presence_penalty=0.5, frequency_penalty=-0.5, min_p=0.125, logprobs=2, prompt_logprobs=0)
+                        presence_penalty=0.5, frequency_penalty=-0.5, min_p=0.125, logprobs=2, prompt_logprobs=0,
+                        logit_bias=((4, -1.5), (8, 100.0)))
     request = build_request("hi", sampling, n=2, best_of=3, echo=True, user="u1", request_id="r1", max_tokens=9)
     assert request.text == "hi" and request.WhichOneof("prompt") == "text"
     assert (request.n, request.best_of, request.echo, request.user, request.request_id) == (2, 3, True, "u1", "r1")

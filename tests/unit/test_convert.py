@@ -17,7 +17,8 @@ def test_every_sampling_field_round_trips():
     params = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=4, seed=2**63 + 5, stop=("a", "bc"),
                             stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2, repetition_penalty=1.25,
                             presence_penalty=-0.5, frequency_penalty=1.5, min_p=0.0625, logprobs=0,
-                            prompt_logprobs=3, structured=StructuredSpec("choice", ("a", "b")), cache_salt="t-1")
+                            prompt_logprobs=3, structured=StructuredSpec("choice", ("a", "b")), cache_salt="t-1",
+                            logit_bias=((3, -100.0), (7, 0.5), (50256, 100.0)))
     assert all(getattr(params, f.name) != f.default for f in dataclasses.fields(SamplingParams))
     assert sampling_from_proto(sampling_to_proto(params)) == params
 
@@ -41,3 +42,11 @@ def test_explicit_zero_penalties_stay_zero_and_a_zero_repetition_penalty_reaches
     params = sampling_from_proto(msg)
     assert (params.presence_penalty, params.frequency_penalty, params.min_p) == (0.0, 0.0, 0.0)
     assert params.repetition_penalty == 0.0  # set, so not replaced by the default; the router rejects it
+
+
+def test_logit_bias_reads_as_pairs_sorted_by_token_id_whatever_the_map_order():
+    forward = sampling_from_proto(common_pb2.SamplingParams(logit_bias={9: 1.5, 2: -3.0, 5: 0.0}))
+    backward = sampling_from_proto(common_pb2.SamplingParams(logit_bias={5: 0.0, 2: -3.0, 9: 1.5}))
+    assert forward.logit_bias == ((2, -3.0), (5, 0.0), (9, 1.5))
+    assert forward == backward and hash(forward) == hash(backward)
+    assert dict(sampling_to_proto(forward).logit_bias) == {2: -3.0, 5: 0.0, 9: 1.5}

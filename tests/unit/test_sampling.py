@@ -231,6 +231,65 @@ def test_seeded_sampling_with_penalties_is_reproducible():
     assert sample_token(logits, params, 11, [], prompt, output) == first[11]
 
 
+# --- logit_bias ----------------------------------------------------------------
+
+
+def test_a_plus_100_bias_forces_its_token_greedy_and_sampled():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(40)) * 3
+    target = int(logits.argmin())
+    biased = dataclasses.replace(GREEDY, logit_bias=((target, 100.0),))
+    assert sample_token(logits, biased, 0, []) == target
+    assert draws(logits, SamplingParams(seed=41, logit_bias=((target, 100.0),)), n=100) == {target}
+
+
+def test_a_minus_100_bias_bans_the_argmax():
+    logits = torch.tensor([0.0, 5.0, 3.0, 4.0])
+    before = logits.clone()
+    assert sample_token(logits, dataclasses.replace(GREEDY, logit_bias=((1, -100.0),)), 0, []) == 3
+    assert 1 not in draws(logits, SamplingParams(seed=42, logit_bias=((1, -100.0),)))
+    assert torch.equal(logits, before)  # the bias went into a copy
+
+
+def test_a_bias_is_added_to_the_raw_logits_before_the_penalties():
+    # Repetition divides positive logits and multiplies negative ones, so the order shows: biased first,
+    # token 0 is -1 + 1.5 = 0.5, then / 3 = 0.17 > 0 and wins; penalised first it would be -3 + 1.5 = -1.5.
+    logits = torch.tensor([-1.0, 0.0])
+    params = dataclasses.replace(GREEDY, repetition_penalty=3.0, logit_bias=((0, 1.5),))
+    assert sample_token(logits, params, 1, [], [], [0]) == 0
+
+
+def test_a_banned_token_stays_banned_whatever_its_bias():
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    params = dataclasses.replace(GREEDY, min_tokens=1, logit_bias=((EOS[0], 100.0),))
+    assert sample_token(logits, params, 0, banned_token_ids(params, EOS, 0)) == 2
+
+
+def test_a_bias_alone_is_not_a_penalty_but_takes_the_adjusted_path():
+    params = SamplingParams(logit_bias=((3, 1.0),))
+    assert params.has_logit_bias and not params.has_penalties
+    assert not SamplingParams().has_logit_bias
+    assert sampling._adjusts_logits(SampleRow(params, 0))
+    assert not sampling._adjusts_logits(SampleRow(SamplingParams(), 0))
+
+
+def test_biased_rows_in_a_batch_draw_what_they_draw_alone():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(43))
+    before = logits.clone()
+    rows = [
+        SampleRow(GREEDY, 0),
+        SampleRow(dataclasses.replace(GREEDY, logit_bias=((7, 100.0),)), 0),
+        SampleRow(SamplingParams(seed=44, logit_bias=((9, 100.0), (int(logits[2].argmax()), -100.0))), 1),
+        SampleRow(SamplingParams(seed=45), 2),
+        SampleRow(SamplingParams(temperature=0.8, top_k=10, seed=46,
+                                 logit_bias=((int(logits[4].argmax()), -100.0),)), 3),
+    ]
+    batch = sampling.sample_tokens(logits, rows)
+    assert batch == [sample_token(logits[b], *row) for b, row in enumerate(rows)]
+    assert torch.equal(logits, before)
+    assert batch[0] == int(logits[0].argmax()) and batch[1] == 7 and batch[2] == 9
+    assert batch[4] != int(logits[4].argmax())
+
+
 def test_banned_token_ids_until_min_tokens():
     params = SamplingParams(min_tokens=2, stop_token_ids=(7, 8))
     assert sorted(banned_token_ids(params, EOS, 0)) == [1, 7, 8]

@@ -11,6 +11,7 @@ from distserve.request_types import SamplingParams
 from distserve.v1 import router_pb2
 from services.router.validation import (
     MAX_CHARS_PER_TOKEN,
+    MAX_LOGIT_BIAS,
     MAX_REQUEST_ID_LEN,
     MAX_STOP_STRING_BYTES,
     MAX_STOP_STRINGS,
@@ -86,6 +87,13 @@ BAD_REQUESTS = {
     "text-longer-than-any-tokenization": (text_request("a" * (SPEC.max_context * MAX_CHARS_PER_TOKEN + 1)), "prompt"),
     "cache-salt-with-a-space": (token_request([5], cache_salt="a b"), "cache_salt"),
     "cache-salt-too-long": (token_request([5], cache_salt="a" * 129), "cache_salt"),
+    "logit-bias-too-many": (token_request([5], logit_bias={t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}), "logit_bias"),
+    "logit-bias-above-100": (token_request([5], logit_bias={3: 101.0}), "logit_bias"),
+    "logit-bias-below-minus-100": (token_request([5], logit_bias={3: -101.0}), "logit_bias"),
+    "logit-bias-nan": (token_request([5], logit_bias={3: math.nan}), "logit_bias"),
+    "logit-bias-inf": (token_request([5], logit_bias={3: math.inf}), "logit_bias"),
+    "logit-bias-id-at-vocab-size": (token_request([5], logit_bias={SPEC.vocab_size: 1.0}), "logit_bias"),
+    "logit-bias-negative-id": (token_request([5], logit_bias={-1: 1.0}), "logit_bias"),
 }
 
 
@@ -150,6 +158,17 @@ def test_stop_limits_are_inclusive():
     _, params = validate(token_request([5], stop=["\u00e9" * (MAX_STOP_STRING_BYTES // 2)] * MAX_STOP_STRINGS,
                                        stop_token_ids=[1] * MAX_STOP_TOKEN_IDS))
     assert len(params.stop) == MAX_STOP_STRINGS and len(params.stop_token_ids) == MAX_STOP_TOKEN_IDS
+
+
+def test_logit_bias_limits_are_inclusive_and_messages_name_the_bad_entry():
+    spec = model_spec(vocab_size=32000, max_context=64)
+    bias = {t: (100.0 if t % 2 else -100.0) for t in range(spec.vocab_size - MAX_LOGIT_BIAS, spec.vocab_size)}
+    _, params = validate_request(token_request([5], logit_bias=bias), char_tokenizer, spec)
+    assert params.logit_bias == tuple(sorted(bias.items())) and params.has_logit_bias
+    with pytest.raises(InvalidRequest, match=r"^logit_bias: token id 99999 is outside the vocabulary \[0, 256\)$"):
+        validate(token_request([5], logit_bias={99999: 1.0}))
+    with pytest.raises(InvalidRequest, match=r"^logit_bias: the bias of token 3 must be in \[-100, 100\], got 101"):
+        validate(token_request([5], logit_bias={2: 0.0, 3: 101.0}))
 
 
 def test_oversized_text_is_refused_before_tokenizing():
