@@ -81,6 +81,11 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default="", metavar="FILE_OR_STRING",
                         help="the gateway's chat template: a Jinja file, or the template text; overrides the "
                              "tokenizer's (needed for a model without one)")
+    parser.add_argument("--tool-call-parser", default="", choices=("", "hermes", "llama3_json", "mistral"),
+                        help="the format tool_choice \"auto\" reads the model's calls in (default: the one its "
+                             "chat template shows, if any)")
+    parser.add_argument("--reasoning-parser", default="", choices=("", "deepseek_r1", "qwen3"),
+                        help="return <think> text apart, as reasoning_content (default: off)")
     parser.add_argument("--log-dir", default="", help="where each process writes its log")
     parser.add_argument("--tls-dir", default="", help="mutual TLS between all services with a self-signed CA and "
                                                       "certificate kept in this folder (made on first use)")
@@ -90,6 +95,8 @@ def _spec(args) -> ClusterSpec:
     # Build (or find) the model once here, so the workers only load it.
     gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     gateway_args += ["--chat-template", _absolute_if_file(args.chat_template)] if args.chat_template else []
+    for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
+        gateway_args += [flag, value] if value else []
     default = 0 if args.colocated else 1
     num_prefill = default if args.prefill is None else args.prefill
     num_decode = default if args.decode is None else args.decode

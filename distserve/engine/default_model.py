@@ -15,8 +15,28 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# Role-tagged turns; with tools, a Hermes-style system block and <tool_call> / <tool_response> turns (the
+# format Qwen2.5 and Hermes use, so the gateway's hermes parser reads the calls). Without tools it renders
+# exactly as it always has, so prompts (and cached prefixes) do not change. HF renders with trim_blocks,
+# which eats a newline written right after a tag: those newlines are written as {{ '\n' }}.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% if tools %}<|system|>\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}<|tool|>\n<tool_response>\n{{ message['content'] }}\n</tool_response>\n"
+    "{% elif message['role'] == 'assistant' and message.tool_calls is defined and message.tool_calls %}"
+    "<|assistant|>\n{{ message['content'] }}"
+    "{% for call in message.tool_calls %}<tool_call>\n{\"name\": {{ call.function.name | tojson }}, "
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
@@ -57,6 +77,7 @@ def ensure_default_model(preset: str = "small", cache_dir: Path | None = None) -
     spec = PRESETS[preset]
     folder = (cache_dir or default_cache_dir()) / spec.name
     if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
+        _update_chat_template(folder)
         return folder
     log.info("building default model %s in %s", spec.name, folder)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
@@ -69,6 +90,18 @@ def ensure_default_model(preset: str = "small", cache_dir: Path | None = None) -
 
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _update_chat_template(folder: Path) -> None:
+    """A folder built with an older template (before tools) gets the current one: the folder is ours."""
+    path = folder / "chat_template.jinja"
+    try:
+        if path.read_text(encoding="utf-8") != CHAT_TEMPLATE:
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text(CHAT_TEMPLATE, encoding="utf-8")
+            tmp.replace(path)  # atomic: a concurrent reader sees one template or the other
+    except OSError:
+        pass  # not writable, or saved another way: the folder keeps what it has
 
 
 def _corpus(max_bytes: int):

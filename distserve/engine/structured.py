@@ -107,6 +107,16 @@ def json_schema_ebnf(schema: str, strict: bool) -> str:
     return grammar.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
 
 
+def json_schema_problem(schema: str) -> str:
+    """Why `schema` (JSON text) cannot become a grammar, in the words a compile would use; "" when it can.
+    Needs no tokenizer: the HTTP gateway checks tool schemas with it before any model sees them."""
+    try:
+        json_schema_ebnf(schema, strict=True)
+    except (RuntimeError, ValueError, TypeError) as e:
+        return _native_message(e)
+    return ""
+
+
 class GrammarCompiler:
     """Per process (worker or router): the tokenizer's vocabulary in xgrammar's form, and an LRU cache of
     compiled grammars keyed by spec. Thread-safe; compiling the same spec twice at once is harmless."""

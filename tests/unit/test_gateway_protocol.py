@@ -249,7 +249,7 @@ def test_chat_text_parts_are_joined(template):
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": "json"}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "prompt"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "many"}, "max_completion_tokens"),

@@ -38,6 +38,27 @@ class Choice:
         self.finish: str | None = None
         self.started = False
         self._legacy = CompletionLogprobs(meta.token_text) if meta.logprobs and meta.token_text else None
+        self.output = meta.chat_output() if meta.chat_output is not None else None  # reasoning and tool calls
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" when the choice stopped after calling tools."""
+        if self.output is None or self.finish is None:
+            return self.finish
+        return self.output.finish_reason(self.finish)
+
+    def stream_delta(self, text: str) -> dict[str, Any] | None:
+        """Chat with reasoning or tool parsing: the chunk's delta for this text (None: {"content": text})."""
+        if self.output is None:
+            return None
+        delta = self.output.feed(text)
+        if self.finish is not None:
+            delta += self.output.finish()
+        return delta.to_json()
+
+    def whole_message(self) -> dict[str, Any] | None:
+        """Chat with reasoning or tool parsing: the whole answer's message (None: the plain one)."""
+        return self.output.message("".join(self.parts)) if self.output is not None else None
 
     def add(self, message: router_pb2.GenerateResponse, prompt: router_pb2.GenerateResponse) -> tuple[str, Any]:
         """The text and logprobs this message adds (the prompt leads a first message when echoing)."""
@@ -122,9 +143,11 @@ async def whole_answer(meta: AnswerMeta, router_answer: RouterAnswer) -> web.Res
     while (message := await router_answer.next()) is not None:
         answer.add(message)
     extras = answer.extras()
-    choices = [responses.whole_choice(meta, c.index, "".join(c.parts), c.finish, c.whole_logprobs(),
-                                      {**extras, **_token_ids(meta, c.token_ids)})
-               for c in answer.choices.values()]
+    choices = []
+    for c in answer.choices.values():
+        message = c.whole_message()  # first: it parses the text, which finish_reason reads
+        choices.append(responses.whole_choice(meta, c.index, "".join(c.parts), c.finish_reason, c.whole_logprobs(),
+                                              {**extras, **_token_ids(meta, c.token_ids)}, message))
     return web.json_response(responses.full_response(meta, choices, answer.usage), dumps=sse.json_text)
 
 
@@ -166,10 +189,11 @@ async def _write_chunks(response: web.StreamResponse, meta: AnswerMeta, router_a
         choice, text, logprobs = answer.add(message)
         # the router may hold text back (stop strings, partial UTF-8): empty chunks only when they say more
         token_ids = _token_ids(meta, message.token_ids)
-        if text or choice.finish is not None or logprobs is not None or token_ids:
+        delta = choice.stream_delta(text)
+        if (text if delta is None else delta) or choice.finish is not None or logprobs is not None or token_ids:
             extras = {**(answer.extras() if is_first else {}), **token_ids}
-            await response.write(sse.event(responses.text_chunk(meta, text, choice.finish, choice.index,
-                                                                logprobs, extras)))
+            await response.write(sse.event(responses.text_chunk(meta, text, choice.finish_reason, choice.index,
+                                                                logprobs, extras, delta)))
         if answer.done:
             break
         message = await router_answer.next()

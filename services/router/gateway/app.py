@@ -24,21 +24,25 @@ import distserve
 from distserve import tracing
 from distserve.metrics import GatewayMetrics
 from services.router.gateway.answers import streamed_answer, whole_answer
+from services.router.gateway.chat_output import ChatOutput, ChatOutputFactory
 from services.router.gateway.chat_template import ChatTemplate
 from services.router.gateway.config import GatewayConfig
 from services.router.gateway.errors import ApiError, bad_request, internal_error
 from services.router.gateway.json_fields import parse_json_object
 from services.router.gateway.openai_protocol import (
     ApiRequest,
+    Endpoint,
     check_model,
     parse_chat,
     parse_completion,
     requested_model,
 )
 from services.router.gateway.responses import ID_PREFIX, AnswerMeta
+from services.router.gateway.reasoning import ReasoningParser
 from services.router.gateway.router_client import RouterClient
 from services.router.gateway.tokenizer_endpoints import PATHS as TOKENIZER_PATHS
 from services.router.gateway.tokenizer_endpoints import TokenizerEndpoints
+from services.router.gateway.tools import parser_for_template
 from services.router.validation import THREAD_TOKENIZE_CHARS
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,7 @@ class Gateway:
         self._metrics = metrics
         self._template = template
         self._token_text = functools.lru_cache(maxsize=65536)(lambda token: template.tokenizer.decode([token]))
+        self._tool_call_parser = config.tool_call_parser or parser_for_template(template.source)
         self.served_model_name = served_model_name
         self._router: RouterClient | None = None
         self._started = int(time.time())
@@ -87,16 +92,17 @@ class Gateway:
         raw = await request.read()
         body = parse_json_object(raw)
         check_model(requested_model(body), self.served_model_name)
-        if len(raw) > THREAD_TOKENIZE_CHARS:  # the chat template tokenizes: keep other streams flowing
-            return await self._answer(request, await asyncio.to_thread(parse_chat, body, self._template))
-        return await self._answer(request, parse_chat(body, self._template))
+        if len(raw) > THREAD_TOKENIZE_CHARS or body.get_list("tools"):  # templating, tokenizing, schema checks
+            return await self._answer(request, await asyncio.to_thread(parse_chat, body, self._template,
+                                                                       self._tool_call_parser))
+        return await self._answer(request, parse_chat(body, self._template, self._tool_call_parser))
 
     async def _answer(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
         request_id = request[_REQUEST_ID]
         meta = AnswerMeta(ID_PREFIX[api.endpoint] + request_id, int(time.time()), api.model, api.endpoint,
                           include_usage=api.stream and api.include_usage, n=api.n,
                           logprobs=api.wants_logprobs, echo=api.echo, token_text=self._token_text,
-                          return_token_ids=api.return_token_ids)
+                          return_token_ids=api.return_token_ids, chat_output=self._chat_output(api))
         router_request = api.to_router(request_id)
         _trace_request_attributes(api, router_request)
         answer = self._router.generate(router_request, api.params)
@@ -106,6 +112,16 @@ class Gateway:
             return await whole_answer(meta, answer)
         finally:
             await answer.close()  # finished: let it end; client gone or failed: the router cancels the workers
+
+    def _chat_output(self, api: ApiRequest) -> ChatOutputFactory | None:
+        """How each chat choice's text splits into reasoning, content and tool calls (None: all content)."""
+        reasoning_kind = self._config.reasoning_parser
+        has_tool_parser = api.tools is not None and api.tools.choice != "none"
+        if api.endpoint != Endpoint.CHAT or not (reasoning_kind or has_tool_parser):
+            return None
+        tools, tool_parser = api.tools, self._tool_call_parser
+        return lambda: ChatOutput(ReasoningParser(reasoning_kind) if reasoning_kind else None,
+                                  tools.new_parser(tool_parser) if has_tool_parser else None)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})
@@ -145,7 +161,7 @@ def create_app(config: GatewayConfig, template: ChatTemplate, served_model_name:
 
 def _trace_request_attributes(api: ApiRequest, router_request) -> None:
     sampling = router_request.sampling
-    attributes = {"gen_ai.operation.name": "chat" if api.endpoint == "chat" else "text_completion",
+    attributes = {"gen_ai.operation.name": "chat" if api.endpoint == Endpoint.CHAT else "text_completion",
                   "gen_ai.request.model": api.model}
     for name in ("max_tokens", "temperature", "top_p"):
         if sampling.HasField(name):

@@ -64,10 +64,18 @@ class ChatTemplate:
         return self._apply(messages, kwargs, tokenize=False, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message)
 
-    def encode(self, messages: list[dict[str, str]], kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Token ids of the rendered conversation, with the generation prompt; a rejected one is a 400."""
-        return list(self._apply(messages, kwargs, tokenize=True, return_dict=True,
+    def encode(self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the rendered conversation (and the tools the model may call: the template shows them to
+        it), with the generation prompt; a rejected one is a 400."""
+        return list(self._apply(messages, kwargs, tokenize=True, return_dict=True, tools=tools,
                                 add_generation_prompt=True)["input_ids"])
+
+    @property
+    def source(self) -> str:
+        """The template's Jinja text ("" when there is none, or several by name)."""
+        text = self._template or getattr(self.tokenizer, "chat_template", None)
+        return text if isinstance(text, str) else ""
 
     def _apply(self, messages: list[dict[str, str]], kwargs: dict[str, Any] | None, **options: Any) -> Any:
         if not self.is_available:

@@ -9,6 +9,7 @@ from pathlib import Path
 from distserve.bearer_key import ApiKeyConfig
 from distserve.config import ConfigError, require, setting
 from distserve.grpc_server import TlsConfig
+from services.router.gateway import reasoning, tool_parsers
 
 _TEMPLATE_CHARS = "{}\n"  # every Jinja template that prints or loops has one; a path has none
 
@@ -34,6 +35,10 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
     shutdown_grace_s: float = setting(10.0, "on SIGTERM, how long in-flight requests may still run")
     chat_template: str = setting("", "Jinja chat template for chat requests, or a file holding one; overrides "
                                      "the tokenizer's (needed for a model without one)")
+    tool_call_parser: str = setting("", "format tool_choice \"auto\" reads calls in: hermes, llama3_json or "
+                                        "mistral (default: the one the chat template shows, if any)")
+    reasoning_parser: str = setting("", "split <think> reasoning into reasoning_content: deepseek_r1 (output "
+                                        "starts thinking) or qwen3 (only after <think>); default: off")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
@@ -43,6 +48,10 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
         require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
         require(self.max_body_mb > 0, "max_body_mb", "must be > 0")
         require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
+        require(self.tool_call_parser in ("", *tool_parsers.PARSERS), "tool_call_parser",
+                f"must be one of {', '.join(tool_parsers.PARSERS)}; got {self.tool_call_parser!r}")
+        require(self.reasoning_parser in ("", *reasoning.PARSERS), "reasoning_parser",
+                f"must be one of {', '.join(reasoning.PARSERS)}; got {self.reasoning_parser!r}")
         self.check_api_key_settings(self.host, has_tls=False)  # its TLS is to the router; its HTTP port has none
 
     def load_chat_template(self) -> str | None:

@@ -4,8 +4,8 @@ Ranges (temperature >= 0, the prompt fits the context, ...) are the router's to
 check, so they are checked once; its "<field>: <message>" errors are mapped
 back through `ApiRequest.params`. What the gateway checks is what the wire
 cannot carry or the router cannot know: JSON types, int32/uint64 limits, n,
-stream_options, batched prompts, chat messages, and unsupported OpenAI
-features (accepted only at their "off" value, e.g. logit_bias {}).
+stream_options, batched prompts, chat messages, tools (services.router.gateway.tools),
+and unsupported OpenAI features (accepted only at their "off" value, e.g. functions []).
 
 The field tables below are the one place that says which fields each endpoint takes.
 """
@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from distserve.v1 import common_pb2, router_pb2
 from services.router.gateway.chat_template import ChatTemplate, chat_template_kwargs
 from services.router.gateway.errors import ApiError, bad_request
-from services.router.gateway.json_fields import Body, check_int_list, is_int, is_number, show
+from services.router.gateway.json_fields import INT32_MAX, INT32_MIN, Body, check_int_list, is_number, show
 from services.router.gateway.structured_fields import structured_output
+from services.router.gateway.tools import ToolsRequest, parse_tools
 from services.router.validation import MAX_CHARS_PER_TOKEN
 
 
@@ -46,6 +48,7 @@ class ApiRequest:
     echo: bool = False
     user: str = ""
     return_token_ids: bool = False  # completions: each choice also carries its token ids (vLLM's extra)
+    tools: ToolsRequest | None = None  # chat: the tools the model may call
 
     @property
     def wants_logprobs(self) -> bool:
@@ -68,17 +71,14 @@ _IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "service_tier": (lambda v: isinstance(v, str), "a string"),
     "safety_identifier": (lambda v: isinstance(v, str), "a string"),
     "prompt_cache_key": (lambda v: isinstance(v, str), "a string"),
-    "parallel_tool_calls": (lambda v: isinstance(v, bool), "a boolean"),
 }
 # Features this server does not implement: accepted only at the value that turns them off.
 # null is always accepted; off values compare by type too, so logprobs 0 (chosen-token logprobs) is not false.
 _OFF_ONLY: dict[str, tuple[Callable[[Any], bool], str, tuple[Any, ...]]] = {
-    "logit_bias": (lambda v: isinstance(v, dict), "an object", ({},)),
     "suffix": (lambda v: isinstance(v, str), "a string", ("",)),
-    "tools": (lambda v: isinstance(v, list), "an array", ([],)),
-    "functions": (lambda v: isinstance(v, list), "an array", ([],)),
-    "tool_choice": (lambda v: isinstance(v, (str, dict)), "a string or an object", ("none", "auto")),
-    "function_call": (lambda v: isinstance(v, (str, dict)), "a string or an object", ("none", "auto")),
+    "functions": (lambda v: isinstance(v, list), "an array (deprecated by OpenAI: send tools)", ([],)),
+    "function_call": (lambda v: isinstance(v, (str, dict)), "a string or an object (deprecated by OpenAI: "
+                                                            "send tool_choice)", ("none", "auto")),
     "modalities": (lambda v: isinstance(v, list), "an array", (["text"],)),
 }
 # Numbers copied, when given, to the SamplingParams field of the same name; the router checks their ranges.
@@ -90,7 +90,7 @@ _COMMON = _SAMPLING | set(_IGNORED) | {"logit_bias", "logprobs", "user", "respon
                                        "prompt_logprobs", "cache_salt"}  # the last three: vLLM's extras
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix", "return_token_ids"})  # vLLM's
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                   "functions", "tool_choice", "function_call", "modalities",
+                                   "functions", "tool_choice", "parallel_tool_calls", "function_call", "modalities",
                                    "chat_template_kwargs"})  # the last: vLLM's extra
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -125,19 +125,38 @@ def parse_completion(body: Body) -> ApiRequest:
                                return_token_ids=bool(body.get_bool("return_token_ids")))
 
 
-def parse_chat(body: Body, template: ChatTemplate) -> ApiRequest:
-    """POST /v1/chat/completions body -> ApiRequest; the chat template turns messages into token ids."""
+def parse_chat(body: Body, template: ChatTemplate, tool_call_parser: str = "") -> ApiRequest:
+    """POST /v1/chat/completions body -> ApiRequest; the chat template turns messages (and tools) into token
+    ids. `tool_call_parser`: the format tool_choice "auto" reads calls in ("": none)."""
     max_tokens_field = "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens"
     body.get_int("max_tokens")  # type-checked even when max_completion_tokens (the newer name) wins
     request = _parse_common(body, Endpoint.CHAT, CHAT_FIELDS, max_tokens_field)
     _chat_logprobs(body, request.sampling)
+    tools = parse_tools(body, tool_call_parser)
+    params = _force_tool_calls(tools, request.sampling, request.params)
     messages = [chat_message(i, m) for i, m in enumerate(_required_list(body, "messages"))]
     _check_chat_fits(messages, template.max_context)
-    prompt = tuple(template.encode(messages, chat_template_kwargs(body.raw("chat_template_kwargs"))))
+    prompt = tuple(template.encode(messages, chat_template_kwargs(body.raw("chat_template_kwargs")),
+                                   tools=list(tools.tools) if tools else None))
     if not request.sampling.HasField("max_tokens") and 0 < len(prompt) < template.max_context:
         # OpenAI's chat default is no limit: answer up to the end of the model's context.
         request.sampling.max_tokens = template.max_context - len(prompt)
-    return dataclasses.replace(request, prompt=prompt)
+    return dataclasses.replace(request, prompt=prompt, tools=tools, params=params)
+
+
+def _force_tool_calls(tools: ToolsRequest | None, sampling: common_pb2.SamplingParams,
+                      params: Mapping[str, str]) -> Mapping[str, str]:
+    """tool_choice "required" or a named function: the calls' grammar becomes the request's structured
+    output, and a schema the router cannot compile is blamed on the tool that holds it."""
+    forced = tools.grammar() if tools is not None else None
+    if forced is None:
+        return params
+    if sampling.HasField("structured_output"):
+        raise bad_request("tool_choice", f"{show(tools.choice)} forces tool calls, which cannot be combined with "
+                                         f"{params['structured_output']}")
+    grammar, field = forced
+    sampling.structured_output.CopyFrom(grammar)
+    return {**params, "structured_output": field}
 
 
 def _chat_logprobs(body: Body, sampling: common_pb2.SamplingParams) -> None:
@@ -149,9 +168,10 @@ def _chat_logprobs(body: Body, sampling: common_pb2.SamplingParams) -> None:
         sampling.logprobs = top or 0
 
 
-def _check_chat_fits(messages: list[dict[str, str]], max_context: int) -> None:
+def _check_chat_fits(messages: list[dict[str, Any]], max_context: int) -> None:
     """Refuses, before templating and tokenizing them, messages too long for any tokenization to fit."""
-    num_chars = sum(len(m["content"]) for m in messages)
+    num_chars = sum(len(m["content"]) + sum(len(str(c["function"]["arguments"])) for c in m.get("tool_calls", ()))
+                    for m in messages)
     max_chars = max_context * MAX_CHARS_PER_TOKEN
     if max_context and num_chars > max_chars:
         raise bad_request("messages", f"{num_chars} characters of content cannot fit the model's context of "
@@ -169,6 +189,7 @@ def _parse_common(body: Body, endpoint: Endpoint, allowed: frozenset[str], max_t
         raise bad_request("stream_options", "is only allowed when stream is true")
     prompt_field = "messages" if endpoint == Endpoint.CHAT else "prompt"
     sampling = _sampling(body, max_tokens_field)
+    _logit_bias(body, sampling)
     structured, structured_field = structured_output(body)
     if structured is not None:
         sampling.structured_output.CopyFrom(structured)
@@ -233,6 +254,22 @@ def _sampling(body: Body, max_tokens_field: str) -> common_pb2.SamplingParams:
     return sampling
 
 
+def _logit_bias(body: Body, sampling: common_pb2.SamplingParams) -> None:
+    """logit_bias {"<token id>": bias}: JSON object keys are strings, so each must spell an integer; the
+    router checks the ids, values and count."""
+    value = body.get_object("logit_bias") or {}
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request("logit_bias", f"keys must be token ids, got {show(key)}") from None
+        if not INT32_MIN <= token_id <= INT32_MAX:
+            raise bad_request("logit_bias", f"token id {key} is out of range")
+        if not is_number(bias):
+            raise bad_request(f"logit_bias.{key}", f"must be a number, got {show(bias)}")
+        sampling.logit_bias[token_id] = float(bias)
+
+
 def _completion_prompt(body: Body) -> str | tuple[int, ...]:
     value = body.raw("prompt")
     if value is None:
@@ -258,8 +295,10 @@ def _required_list(body: Body, name: str) -> list[Any]:
     return value
 
 
-def chat_message(index: int, message: Any) -> dict[str, str]:
-    """One chat message -> {"role", "content"} with the content as plain text."""
+def chat_message(index: int, message: Any) -> dict[str, Any]:
+    """One chat message -> {"role", "content"} with the content as plain text, plus what tool use adds:
+    an assistant's `tool_calls` (arguments as objects, the way chat templates print them), a tool
+    message's `tool_call_id`, and a `name`."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise bad_request(where, f"must be an object, got {show(message)}")
@@ -269,7 +308,44 @@ def chat_message(index: int, message: Any) -> dict[str, str]:
     content = message.get("content")
     if content is None and role == "assistant":  # an assistant turn that only called tools
         content = ""
-    return {"role": role, "content": _content_text(f"{where}.content", content)}
+    checked: dict[str, Any] = {"role": role, "content": _content_text(f"{where}.content", content)}
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            if not isinstance(message[key], str):
+                raise bad_request(f"{where}.{key}", f"must be a string, got {show(message[key])}")
+            checked[key] = message[key]
+    if message.get("tool_calls") and role == "assistant":
+        checked["tool_calls"] = _tool_calls(f"{where}.tool_calls", message["tool_calls"])
+    return checked
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, for the chat template."""
+    if not isinstance(calls, list):
+        raise bad_request(where, f"must be an array, got {show(calls)}")
+    checked = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{where}[{i}]", 'must be {"id": ..., "type": "function", "function": {"name": ..., '
+                                               f'"arguments": ...}}}}, got {show(call)}')
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, (str, dict)):
+            raise bad_request(f"{where}[{i}].function.arguments", f"must be a JSON string, got {show(arguments)}")
+        checked.append({"id": str(call.get("id") or ""), "type": "function",
+                        "function": {"name": function["name"], "arguments": _as_object(arguments)}})
+    return checked
+
+
+def _as_object(arguments: str | dict) -> Any:
+    """Arguments JSON text -> the object it spells (what templates' `tojson` expects); other text as is."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 def _content_text(where: str, content: Any) -> str:

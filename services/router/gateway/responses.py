@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from distserve.v1 import common_pb2
+from services.router.gateway.chat_output import ChatOutputFactory
 from services.router.gateway.errors import ApiError, internal_error
 from services.router.gateway.logprobs_format import TokenText
 from services.router.gateway.openai_protocol import Endpoint
@@ -35,6 +36,7 @@ class AnswerMeta:
     echo: bool = False  # completions: the prompt leads the text (and the logprobs)
     token_text: TokenText | None = None  # token id -> its string, for logprobs
     return_token_ids: bool = False  # completions: each choice (chunk) carries `token_ids` too, as vLLM's do
+    chat_output: ChatOutputFactory | None = None  # chat: each choice's reasoning and tool-call parsers
 
 
 def finish_reason(value: int) -> str:
@@ -55,11 +57,12 @@ def usage(value: common_pb2.Usage) -> dict[str, Any]:
 
 
 def whole_choice(meta: AnswerMeta, index: int, text: str, finish: str, logprobs: Any = None,
-                 extras: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One choice of the non-streaming answer (extras: e.g. vLLM's prompt_logprobs)."""
+                 extras: dict[str, Any] | None = None, message: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of the non-streaming answer (extras: e.g. vLLM's prompt_logprobs; message: a chat
+    message with reasoning or tool calls, instead of the plain one)."""
     if meta.endpoint == Endpoint.CHAT:
-        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}
+        choice = {"index": index, "message": message or {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {**choice, **(extras or {})}
@@ -78,10 +81,12 @@ def role_chunk(meta: AnswerMeta, index: int = 0) -> dict[str, Any]:
 
 
 def text_chunk(meta: AnswerMeta, text: str, finish: str | None, index: int = 0, logprobs: Any = None,
-               extras: dict[str, Any] | None = None) -> dict[str, Any]:
+               extras: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk of one choice; a chat `delta` (reasoning, tool calls) replaces {"content": text}."""
     if meta.endpoint == Endpoint.CHAT:
-        choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                  "finish_reason": finish}
+        if delta is None:
+            delta = {"content": text} if text else {}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return _chunk(meta, {**choice, **(extras or {})})
