@@ -8,6 +8,7 @@ supervisor restarted the worker and that no KV handle, held KV or block leaked.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -15,13 +16,14 @@ import time
 import urllib.request
 
 import grpc
+import openai
 import pytest
 import redis
 
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.kvbroker.store import HANDLE_KEY_PREFIX
 from services.router.config import RouterConfig
-from tests.cluster_helpers import WORKER_LEASE_S
+from tests.cluster_helpers import WORKER_LEASE_S, worker_stats
 from tests.faults.conftest import TRANSFER_TIMEOUT_S
 from tests.integration.test_metrics import scrape
 
@@ -265,3 +267,27 @@ def test_a_stalled_prefill_worker_holding_kv_costs_one_transfer_timeout(faults_c
 
     assert tokens == unfailed[1]
     assert elapsed < TRANSFER_TIMEOUT_S + 10, f"took {elapsed:.1f}s"
+
+
+def test_a_forced_tool_call_streamed_through_the_gateway_survives_its_decode_worker(faults_cluster):
+    """Tool calls are parsed in the gateway from the router's text: a decode worker killed mid-call costs
+    the client nothing, and the streamed call equals an unfailed run's."""
+    sdk = openai.OpenAI(base_url=faults_cluster.gateway_url + "/v1", api_key="any-key", max_retries=0)
+    note = {"type": "string", "minLength": 700, "maxLength": 700}  # long enough to be decoding when killed
+    tools = [{"type": "function", "function": {"name": "write_note", "parameters": {
+        "type": "object", "properties": {"note": note}, "required": ["note"], "additionalProperties": False}}}]
+    args = dict(model="distserve-tiny", messages=[{"role": "user", "content": "Take a note."}], tools=tools,
+                tool_choice={"type": "function", "function": {"name": "write_note"}}, temperature=0, max_tokens=1700)
+    unfailed_call = sdk.chat.completions.create(**args).choices[0].message.tool_calls[0].function
+    pieces, finish, killed = [], None, False
+    for chunk in sdk.chat.completions.create(stream=True, **args):
+        for choice in chunk.choices:
+            pieces += [call.function.arguments or "" for call in choice.delta.tool_calls or []]
+            finish = choice.finish_reason or finish
+        if len(pieces) == 20 and not killed:  # decoding by now: the first piece came from prefill
+            victim = next(name for name in faults_cluster.processes if name.startswith("decode")
+                          and worker_stats(faults_cluster, name).num_running)
+            faults_cluster.kill(victim)
+            killed = True
+    assert killed and finish == "tool_calls"
+    assert "".join(pieces) == unfailed_call.arguments and len(json.loads(unfailed_call.arguments)["note"]) == 700

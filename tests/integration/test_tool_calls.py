@@ -71,14 +71,21 @@ def as_call(state: dict):
         id=state["id"], type="function", function={"name": state["name"], "arguments": state["arguments"]})
 
 
-def test_required_returns_valid_calls_for_every_choice(sdk):
-    reply = sdk.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
-                                        parallel_tool_calls=False, n=2, temperature=1.0, seed=7, max_tokens=64)
-    assert len(reply.choices) == 2
-    for choice in reply.choices:
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        (call,) = choice.message.tool_calls
-        check_call(call)
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_returns_valid_calls_for_every_choice(sdk, stream):
+    args = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=2,
+                temperature=1.0, seed=7, max_tokens=64)
+    if stream:
+        choices = streamed(sdk.chat.completions.create(stream=True, **args))
+        results = [(s["finish"], s["content"] or None, [as_call(c) for c in s["calls"].values()])
+                   for _, s in sorted(choices.items())]
+    else:
+        results = [(c.finish_reason, c.message.content, c.message.tool_calls)
+                   for c in sdk.chat.completions.create(**args).choices]
+    assert len(results) == 2
+    for finish, content, calls in results:
+        assert finish == "tool_calls" and content is None and len(calls) == 1
+        check_call(calls[0])
 
 
 def test_required_streamed_equals_whole_for_greedy(sdk):
