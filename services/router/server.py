@@ -308,7 +308,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if first.kv_handle_id:  # a stop string on the first token leaves KV held
                 self._broker.release_soon(handle_id, "finished", req.request_id)
             return
+        moved = bool(req.outputs)  # a migrated request: its first message now names the new workers
         async for message in self._decode(req, first, decode_worker, secret):
+            if moved:
+                message.prefill_worker, message.decode_worker = prefill_worker.worker_id, decode_worker.worker_id
+                moved = False
             yield message
 
     def _first_messages(self, req: RequestState, first, prefill_worker: WorkerRecord,

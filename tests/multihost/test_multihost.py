@@ -1,0 +1,136 @@
+"""The system across hosts (tests/multihost/conftest.py): output, the gateway, a lost host, a blocked pull.
+
+Every request here goes to the router at host a's address over mutual TLS, or to the gateway there
+with its API key; prefill runs on host b and decode on c and d, and KV moves between hosts over TCP.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+import torch
+
+from distserve.engine.model_loader import load_model
+from distserve.grpc_server import blocking_channel
+from distserve.v1 import router_pb2, router_pb2_grpc
+from tests.builders import compare_with_tolerance, reference_generate, token_request
+from tests.multihost.conftest import API_KEY, wait_registered
+
+MAX_TOKENS = 16
+LONG = 600  # tokens: still decoding when a host is lost
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_path):
+    return load_model(tiny_model_path, "float32", "cpu")
+
+
+def prompts(count: int, vocab: int, seed: int = 3) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(n),), generator=generator).tolist()
+            for n in torch.randint(4, 200, (count,), generator=generator)]
+
+
+class Stream:
+    """One Generate call read on a thread: its tokens, who served it, and how it ended."""
+
+    def __init__(self, fleet, request: router_pb2.GenerateRequest):
+        self.token_ids: list[int] = []
+        self.decode_workers: list[str] = []
+        self.error: grpc.RpcError | None = None
+        self.decoding = threading.Event()
+        channel = blocking_channel(fleet.router_address, fleet.tls)
+        self._call = router_pb2_grpc.RouterServiceStub(channel).Generate(
+            request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=180)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                if message.decode_worker:
+                    self.decode_workers.append(message.decode_worker)
+                elif self.token_ids:
+                    self.decoding.set()
+                self.token_ids.extend(message.token_ids)
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.decoding.set()
+
+    def result(self, timeout_s: float = 180) -> list[int]:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the stream did not end"
+        assert self.error is None, f"the stream failed: {self.error.code()} {self.error.details()}"
+        return self.token_ids
+
+
+def run(fleet, requests: list[router_pb2.GenerateRequest]) -> list[Stream]:
+    return [Stream(fleet, request) for request in requests]
+
+
+def test_greedy_output_across_hosts_matches_transformers(fleet, reference_model):
+    batch = prompts(8, reference_model.config.vocab_size)
+    streams = run(fleet, [token_request(p, max_tokens=MAX_TOKENS) for p in batch])
+    answers = [s.result() for s in streams]
+    mismatches = [(len(p), got) for p, got in zip(batch, answers)
+                  if not compare_with_tolerance(got, reference_generate(reference_model, p, MAX_TOKENS))[0]]
+    assert not mismatches
+    hosts = {w.split("-")[1] for s in streams for w in s.decode_workers}
+    assert hosts == {fleet.host("c").address, fleet.host("d").address}  # both decode hosts served
+
+
+def test_the_gateway_across_hosts_streams_with_its_key_and_refuses_without(fleet):
+    sdk = openai.OpenAI(base_url=fleet.gateway_url + "/v1", api_key=API_KEY, max_retries=0)
+    chunks = list(sdk.chat.completions.create(model="distserve-tiny", max_tokens=8, temperature=0, stream=True,
+                                              messages=[{"role": "user", "content": "hello"}]))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=fleet.gateway_url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_lost_decode_host_moves_its_streams_to_the_other_with_identical_output(fleet, reference_model):
+    requests = [token_request(p, max_tokens=LONG, ignore_eos=True) for p in prompts(4, reference_model.config.vocab_size, 5)]
+    unfailed = [s.result() for s in run(fleet, requests)]
+    streams = run(fleet, requests)
+    for stream in streams:
+        assert stream.decoding.wait(60), "a stream never reached decode"
+    victim = next(h for h in (fleet.host("c"), fleet.host("d")) if h.address in streams[0].decode_workers[0])
+    fleet.testbed.cut(victim)  # no reset, no FIN: the router finds out from keepalive
+    started = time.monotonic()
+    try:
+        assert [s.result() for s in streams] == unfailed
+        moved = [s for s in streams if len(s.decode_workers) > 1]
+        assert moved and all(victim.address not in s.decode_workers[-1] for s in moved)
+        print(f"{len(moved)} streams moved off host {victim.name} within {time.monotonic() - started:.1f} s")
+    finally:
+        fleet.testbed.restore(victim)
+    wait_registered(fleet, {"prefill": 1, "decode": 2})  # its worker is back once the link is
+
+
+def test_a_blocked_kv_pull_is_moved_to_the_other_decode_host(fleet, reference_model):
+    """Host c cannot hear host b: c's pulls of KV from b stall, time out (TRANSFER_TIMEOUT_S), and the
+    router prefills again and decodes on d. Output stays greedy-exact; c serves again once unblocked."""
+    batch = prompts(6, reference_model.config.vocab_size, 9)
+    requests = [token_request(p, max_tokens=MAX_TOKENS) for p in batch]
+    fleet.testbed.block(fleet.host("c"), fleet.host("b"))
+    try:
+        streams = run(fleet, requests)
+        answers = [s.result() for s in streams]
+    finally:
+        fleet.testbed.unblock(fleet.host("c"))
+    for prompt, got in zip(batch, answers):
+        assert compare_with_tolerance(got, reference_generate(reference_model, prompt, MAX_TOKENS))[0]
+    assert all(fleet.host("d").address in s.decode_workers[-1] for s in streams)
+    assert any(fleet.host("c").address in s.decode_workers[0] for s in streams)  # some were sent to c first
+    deadline = time.monotonic() + 60  # the router skips a worker that failed for a while (suspect)
+    while True:
+        served = run(fleet, requests[:4])
+        if any(fleet.host("c").address in s.decode_workers[-1] for s in served if s.result()):
+            break
+        assert time.monotonic() < deadline, "host c never served again after its link was unblocked"
+        time.sleep(1)
