@@ -62,6 +62,35 @@ def test_sigterm_lets_an_in_flight_stream_finish(cluster):
         del cluster.processes["decode-drain"]
 
 
+def test_streams_still_running_when_the_drain_ends_move_to_another_worker(cluster):
+    """SIGTERM with a short grace (--grace-s): what has not finished when it ends moves to another decode
+    worker (migration) with unchanged output, and the drained worker exits 0."""
+    port = free_port()
+    args = ["--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5", "--kv-cache-mb", "128", "--grace-s", "1",
+            "--drain-s", "0.5"]
+    prompt, max_tokens = [40, 41, 42], 1500
+    with DistServeSyncClient(cluster.router_address, timeout_s=300) as client:
+        unfailed = [t for c in client.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                    for t in c.token_ids]
+    spare = cluster.start_service("decode-short-drain", "services.decode", f"127.0.0.1:{port}", args)
+    cluster.wait_healthy(spare, 120)
+    wait_for_workers(cluster, 2, 3)
+    try:
+        with DistServeSyncClient(cluster.router_address, timeout_s=300) as client:
+            stream = client.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            chunks = [next(stream)]
+            assert chunks[0].decode_worker == f"decode-127.0.0.1-{port}"
+            spare.popen.terminate()
+            chunks += list(stream)
+        assert [t for c in chunks for t in c.token_ids] == unfailed
+        assert any(c.decode_worker and c.decode_worker != chunks[0].decode_worker for c in chunks[1:])  # moved
+        assert spare.popen.wait(timeout=60) == 0
+    finally:
+        if spare.popen.poll() is None:
+            cluster.kill("decode-short-drain")
+        del cluster.processes["decode-short-drain"]
+
+
 PASSWORD = "n0t-f0r-y0ur-eyes"
 
 
