@@ -19,6 +19,7 @@ from distserve import cluster_state
 from distserve.client import Chunk, DistServeClient, DistServeError, Sampling, Timings, Usage
 from distserve.config import ConfigError
 from distserve.convert import finish_to_proto
+from distserve.engine.default_model import MODEL_HELP
 from distserve.engine.dtype import DTYPE_CHOICES
 from distserve.engine.model_loader import resolve_model_path
 from distserve.dev_certs import make_dev_certs
@@ -29,7 +30,7 @@ from distserve.v1 import common_pb2
 
 
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="HF model folder, or default[:small|tiny]")
+    parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="auto: bfloat16 on CUDA or on CPUs with bf16 instructions, else float32")
     parser.add_argument("--device", default="cpu", help="torch device of the workers, e.g. cpu or cuda")

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from distserve.config import require, setting
 from distserve.cpus import parse_cpu_list
+from distserve.engine.default_model import MODEL_HELP
 from distserve.engine.dtype import DTYPE_CHOICES
 from distserve.grpc_server import TlsConfig
 from distserve.prefix_config import PrefixCacheConfig
@@ -24,7 +25,7 @@ class WorkerConfig(PrefixCacheConfig, TlsConfig):
     port: int = setting(0, "gRPC port")
     advertise_host: str = setting("127.0.0.1", "host other services use to reach this worker")
     worker_id: str = setting("", "unique worker id (default: <role>-<advertise_host>-<port>)")
-    model: str = setting("default", "HF model folder, or default[:small|tiny]", env="DISTSERVE_MODEL")
+    model: str = setting("default", MODEL_HELP, env="DISTSERVE_MODEL")
     dtype: str = setting("auto", "model dtype; auto: bfloat16 on CUDA or on CPUs with bf16 instructions, "
                          "else float32", env="DISTSERVE_DTYPE")
     device: str = setting("cpu", "torch device", env="DISTSERVE_DEVICE")

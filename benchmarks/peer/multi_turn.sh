@@ -16,7 +16,7 @@ PEER_BENCH=${PEER_BENCH:-$(cd "$ROOT/.." && pwd)/shared/peer-bench}
 OUT=${1:?OUT_DIR}; DTYPE=${2:-bfloat16}; RATES=${3:-"1,inf"}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 # shellcheck source=../bench_env.sh
-. benchmarks/bench_env.sh  # MODEL_DIR, NAME, LOGS, wait_health
+. benchmarks/bench_env.sh  # MODEL, MODEL_DIR, NAME, LOGS, wait_health
 
 chat_bench() {  # SYSTEM URL
   .venv/bin/distserve bench --url "$2" --model "$NAME" --tokenizer "$MODEL_DIR" --workload multi-turn \
@@ -29,7 +29,7 @@ kill -TERM -- -"$pid"; sleep 5
 
 for system in distserve distserve-noprefix; do
   caching=--prefix-caching; [ "$system" = distserve-noprefix ] && caching=--no-prefix-caching
-  setsid .venv/bin/distserve up --model default:small --dtype "$DTYPE" "$caching" \
+  setsid .venv/bin/distserve up --model "$MODEL" --dtype "$DTYPE" "$caching" \
     --prefill 1 --decode 1 --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system" \
     >"$LOGS/up-$system.log" 2>&1 &
   pid=$!

@@ -13,7 +13,6 @@ with the fit and its error per sample group (also printed).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from distserve.config import ConfigError
 from distserve.cpus import apply_cpus, parse_cpu_list
+from distserve.engine.default_model import MODEL_HELP
 from distserve.engine.dtype import DTYPE_CHOICES, resolve_dtype
 from distserve.launcher import WORKER_MALLOC_ENV
 from distserve.planner.profile import Profile, fit_step_model
@@ -34,7 +34,7 @@ DEFAULTS = ProfileSettings(model="default", dtype="auto")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULTS.model, help="HF model folder, or default[:small|tiny]")
+    parser.add_argument("--model", default=DEFAULTS.model, help=MODEL_HELP)
     parser.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPE_CHOICES,
                         help="auto: bfloat16 on CUDA or on CPUs with bf16 instructions, else float32")
     parser.add_argument("--device", default=DEFAULTS.device, help="torch device, e.g. cpu or cuda")

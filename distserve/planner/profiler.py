@@ -44,7 +44,7 @@ GROUPS = ("prefill", "decode", "mixed", "transfer")
 class ProfileSettings:
     """What to measure and the worker defaults to record."""
 
-    model: str  # as a worker's --model: default[:small|tiny] or a Hugging Face folder
+    model: str  # as a worker's --model: default[:<preset>] or a Hugging Face folder
     dtype: str  # resolved: one of DTYPE_NAMES
     device: str = "cpu"
     cpus: tuple[int, ...] = ()  # the cores this process is pinned to (empty: its affinity mask)

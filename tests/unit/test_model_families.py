@@ -9,7 +9,7 @@ import torch
 from distserve.engine.kv_cache import PagedKvCache, blocks_needed
 from distserve.engine.model_loader import load_engine_model, load_model
 from distserve.engine.model_runner import ModelRunner, PrefillWork
-from tests.builders import compare_with_tolerance, reference_generate
+from tests.builders import compare_with_tolerance, reference_generate, runner_greedy
 from tests.kernel_support import cpu_runs
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -38,17 +38,6 @@ def model_folder(request, tmp_path_factory):
     return str(folder)
 
 
-def greedy(runner: ModelRunner, prompt: list[int], num_new: int) -> list[int]:
-    cache = PagedKvCache(2, 2, 16, 32, BLOCK_SIZE, torch.float32, "cpu")
-    logits, (kv,) = runner.prefill([prompt])
-    table = cache.allocator.allocate(blocks_needed(len(prompt) + num_new, BLOCK_SIZE))
-    cache.write_prompt(table, kv)
-    out = [int(logits[0].argmax())]
-    for step in range(num_new - 1):
-        out.append(int(runner.decode(cache, [table], [len(prompt) + step], [out[-1]])[0].argmax()))
-    return out
-
-
 def test_greedy_output_equals_transformers_generate(model_folder):
     reference_model = load_model(model_folder, "float32", "cpu")
     runner = ModelRunner(load_engine_model(model_folder, "float32", "cpu"))
@@ -56,7 +45,7 @@ def test_greedy_output_equals_transformers_generate(model_folder):
         assert runner.model.weights.layers[0].qkv.bias is not None
     for length in (3, 21):  # 21 > the Mistral window of 8
         prompt = torch.randint(0, 300, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-        matches, _ = compare_with_tolerance(greedy(runner, prompt, NUM_NEW),
+        matches, _ = compare_with_tolerance(runner_greedy(runner, prompt, NUM_NEW, BLOCK_SIZE),
                                             reference_generate(reference_model, prompt, NUM_NEW))
         assert matches, (model_folder, prompt)
 
