@@ -123,6 +123,7 @@ class ClusterSpec:
     num_decode: int = 1
     num_colocated: int = 0  # workers that prefill and decode in one process
     router_port: int = 50051
+    num_routers: int = 1  # router, router-1, ...: ports router_port + i; the gateway spreads requests over them
     broker_port: int = 50060
     prefill_base_port: int = 50070
     decode_base_port: int = 50080
@@ -209,6 +210,15 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
     if spec.lend_cores:  # both on every core; decode's lower priority leaves prefill forwards the cores they want
         split.update({name: available for name in names if name.startswith(("prefill-", "decode-"))})
     return split
+
+
+def router_name(index: int) -> str:
+    """The launcher's name of router `index`: router, router-1, router-2, ..."""
+    return f"router-{index}" if index else "router"
+
+
+def is_router(name: str) -> bool:
+    return name == "router" or name.startswith("router-")
 
 
 def plan_nice(spec: ClusterSpec, name: str) -> int:
@@ -320,8 +330,9 @@ class Cluster:
         broker = self._start_named("kvbroker", "services.kvbroker", spec.broker_port, 0, [], 1)
         self._wait_serving([broker], timeout_s)  # workers get its address: it must have bound
         workers = self._start_workers()
-        router = self._start_named("router", "services.router", spec.router_port, 0, [], 0)
-        self._wait_serving([*workers, router], timeout_s)
+        routers = [self._start_named(router_name(i), "services.router", spec.router_port, i, [], 40 + i if i else 0)
+                   for i in range(max(spec.num_routers, 1))]
+        self._wait_serving([*workers, *routers], timeout_s)
         if spec.gateway_port is not None:
             self._start_gateway(timeout_s)
 
@@ -374,7 +385,7 @@ class Cluster:
     def _start_gateway(self, timeout_s: float) -> None:
         port = self._port(self.spec.gateway_port)
         env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url,
-               "DISTSERVE_ROUTER_ADDRESS": self.router_address, "OTEL_SERVICE_NAME": "distserve-gateway"}
+               "DISTSERVE_ROUTER_ADDRESS": ",".join(self.router_addresses), "OTEL_SERVICE_NAME": "distserve-gateway"}
         process = self._spawn("gateway", [sys.executable, "-m", "services.router.gateway", "--port", str(port),
                                           *self.spec.gateway_args], env)
         process.auto_ports = not self.spec.gateway_port
@@ -397,7 +408,12 @@ class Cluster:
 
     @property
     def router_address(self) -> str:
+        """The first router's (clients of one router use it)."""
         return self.processes["router"].address
+
+    @property
+    def router_addresses(self) -> list[str]:
+        return [process.address for name, process in self.processes.items() if is_router(name)]
 
     def start_service(self, name: str, module: str, address: str, extra_args: list[str],
                       metrics_port: int | None = None) -> ManagedProcess:
@@ -598,8 +614,8 @@ class Cluster:
 
         names = list(self.processes)
         phase([n for n in names if n == "gateway"])
-        phase([n for n in names if n == "router"])
-        phase([n for n in names if n not in ("gateway", "router", "redis")])
+        phase([n for n in names if is_router(n)])
+        phase([n for n in names if n not in ("gateway", "redis") and not is_router(n)])
         phase([n for n in names if n == "redis"])
         if self.spec.state_file:
             Path(self.spec.state_file).unlink(missing_ok=True)

@@ -60,6 +60,14 @@ class RequestState:
             self._blocks = PromptBlocks(model, tokens, self.params.cache_salt)
         return self._blocks
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Continues a stream another router began: its tokens count as sent (their text too, so what
+        follows decodes and meets stop strings as it would have), and its prompt extras were sent."""
+        completion = self.completions[0]
+        completion.outputs.extend(token_ids)
+        completion.text.add(token_ids)
+        self.echo_text = None
+
     @property
     def outputs(self) -> list[int]:
         """The first completion's tokens so far (a migrated request has one completion)."""

@@ -63,7 +63,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     "router.generate", request_id, **{"gen_ai.operation.name": "text_completion",
                                                       "gen_ai.request.model": self._model_name}):
                 req = await self._accept(request, request_id, context)
-                colocated = await self._route_colocated(req, context)
+                # a resumed request continues as a migrated one does, on a prefill/decode pair
+                colocated = None if req.outputs else await self._route_colocated(req, context)
                 if colocated is not None:
                     messages = self._run_colocated(req, colocated, context)
                 else:
@@ -100,6 +101,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         if request.echo:
             req.echo_text = (request.text if request.WhichOneof("prompt") == "text"
                              else self._tokenizer.decode(prompt))
+        if request.resume_token_ids:
+            req.resume(list(request.resume_token_ids))
+            trace.get_current_span().set_attribute("distserve.resumed_tokens", len(request.resume_token_ids))
         return req
 
     async def _check_grammar(self, params: SamplingParams, context) -> None:

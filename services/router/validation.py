@@ -156,7 +156,20 @@ def _validate_before_tokenizing(request, spec: ModelSpec) -> SamplingParams:
         raise InvalidRequest("structured_output", str(exc)) from None
     validate_stops(params, spec)
     validate_logit_bias(params, spec)
+    validate_resume(request, params, spec)
     return params
+
+
+def validate_resume(request, params: SamplingParams, spec: ModelSpec) -> None:
+    """resume_token_ids: one completion's tokens so far, fewer than max_tokens, each in the vocabulary."""
+    resumed = request.resume_token_ids
+    if not resumed:
+        return
+    check(request.n <= 1 and request.best_of <= 1, "resume_token_ids", "needs n and best_of of 1")
+    check(len(resumed) < params.max_tokens, "resume_token_ids",
+          f"{len(resumed)} tokens leave nothing to generate within max_tokens ({params.max_tokens})")
+    bad = next((t for t in resumed if not 0 <= t < spec.vocab_size), None)
+    check(bad is None, "resume_token_ids", f"token id {bad} is outside the vocabulary [0, {spec.vocab_size})")
 
 
 def _prompt_tokens(request, tokenizer) -> list[int]:

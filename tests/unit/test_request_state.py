@@ -81,3 +81,19 @@ def test_without_best_of_every_message_passes_at_once(tokenizer):
     req = state(tokenizer, 2, 2)
     message = req.chunk([300], None, index=1)
     assert req.released(message) == [message]
+
+
+def test_a_resumed_request_sends_only_what_follows_and_ends_like_an_unbroken_one(tokenizer):
+    ids = tokenizer("Once upon a time, there was a stop here and more", add_special_tokens=False)["input_ids"]
+    whole = state(tokenizer, 1, 1, stop=("stop",))
+    unbroken = [whole.chunk([t], None) for t in ids]
+    for cut in range(1, len(ids)):
+        resumed = state(tokenizer, 1, 1, stop=("stop",))
+        resumed.resume(ids[:cut])
+        if resumed.completions[0].text.stopped:
+            break  # an unbroken stream would have ended before this cut
+        rest = [resumed.chunk([t], None) for t in ids[cut:]]
+        assert "".join(m.text for m in unbroken[:cut]) + "".join(m.text for m in rest) == \
+            "".join(m.text for m in unbroken), cut
+        assert [m.finish_reason for m in rest][-1] == unbroken[-1].finish_reason
+        assert resumed.outputs[:cut] == ids[:cut]

@@ -40,6 +40,12 @@ def validate(request):
     return validate_request(request, char_tokenizer, SPEC)
 
 
+def _resumed(request, token_ids: list[int], n: int = 0):
+    request.resume_token_ids.extend(token_ids)
+    request.n = n
+    return request
+
+
 BAD_REQUESTS = {
     "request-id-too-long": (router_pb2.GenerateRequest(request_id="r" * (MAX_REQUEST_ID_LEN + 1),
                                                        text="hi"), "request_id"),
@@ -94,6 +100,9 @@ BAD_REQUESTS = {
     "logit-bias-inf": (token_request([5], logit_bias={3: math.inf}), "logit_bias"),
     "logit-bias-id-at-vocab-size": (token_request([5], logit_bias={SPEC.vocab_size: 1.0}), "logit_bias"),
     "logit-bias-negative-id": (token_request([5], logit_bias={-1: 1.0}), "logit_bias"),
+    "resume-with-n-2": (_resumed(token_request([5], max_tokens=8), [3], n=2), "resume_token_ids"),
+    "resume-past-max-tokens": (_resumed(token_request([5], max_tokens=2), [3, 4]), "resume_token_ids"),
+    "resume-id-at-vocab-size": (_resumed(token_request([5]), [SPEC.vocab_size]), "resume_token_ids"),
 }
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from distserve.bearer_key import ApiKeyConfig
 from distserve.config import ConfigError, require, setting
+from distserve.engine.default_model import MODEL_HELP
 from distserve.grpc_server import TlsConfig
 from services.router.gateway import reasoning, tool_parsers
 
@@ -21,8 +22,10 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
 
     host: str = setting("127.0.0.1", "interface to bind the HTTP server to")
     port: int = setting(8000, "HTTP port")
-    router_address: str = setting("127.0.0.1:50051", "router gRPC address", env="DISTSERVE_ROUTER_ADDRESS")
-    model: str = setting("default", "HF model folder, or default[:small|tiny] (tokenizer, chat template)",
+    router_address: str = setting("127.0.0.1:50051", "router gRPC address, or several joined by commas: requests "
+                                                     "go round them, and a stream whose router fails resumes on "
+                                                     "the next", env="DISTSERVE_ROUTER_ADDRESS")
+    model: str = setting("default", MODEL_HELP + "; the gateway reads its tokenizer and chat template",
                          env="DISTSERVE_MODEL")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis, read by /health",
                              env="DISTSERVE_REDIS_URL")
@@ -30,6 +33,8 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
                                          "(default: the model folder's name)")
     request_timeout_s: float = setting(600.0, "deadline for one request's router call")
     health_timeout_s: float = setting(1.0, "deadline for each check behind GET /health")
+    router_retry_wait_s: float = setting(10.0, "before resuming a stream on the next router (or the same one, "
+                                               "restarted), wait at most this long for it to connect")
     retry_after_s: int = setting(1, "Retry-After seconds sent with 429 (router out of KV capacity)")
     max_body_mb: float = setting(8.0, "largest accepted request body, in MiB")
     shutdown_grace_s: float = setting(10.0, "on SIGTERM, how long in-flight requests may still run")
@@ -42,9 +47,11 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
-        require(bool(self.router_address), "router_address", "must not be empty")
+        require(all(self.router_addresses), "router_address", f"must be host:port[,host:port...], got "
+                                                              f"{self.router_address!r}")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         require(self.health_timeout_s > 0, "health_timeout_s", "must be > 0")
+        require(self.router_retry_wait_s >= 0, "router_retry_wait_s", "must be >= 0")
         require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
         require(self.max_body_mb > 0, "max_body_mb", "must be > 0")
         require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
@@ -53,6 +60,10 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
         require(self.reasoning_parser in ("", *reasoning.PARSERS), "reasoning_parser",
                 f"must be one of {', '.join(reasoning.PARSERS)}; got {self.reasoning_parser!r}")
         self.check_api_key_settings(self.host, has_tls=False)  # its TLS is to the router; its HTTP port has none
+
+    @property
+    def router_addresses(self) -> list[str]:
+        return [address.strip() for address in self.router_address.split(",")]
 
     def load_chat_template(self) -> str | None:
         """The chat template text: chat_template read from the file it names, or taken as the template itself;
