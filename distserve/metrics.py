@@ -62,6 +62,8 @@ class PrefillMetrics:
         self.prefill_time = _hist("request_prefill_time_seconds", "Prefill forward time", REQUEST_BUCKETS)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled")
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Prompts waiting for a batch")
+        self.queued_tokens = Gauge(PREFIX + "num_prompt_tokens_queued", "Prompt tokens queued or prefilling: "
+                                   "the load a prefill autoscaler follows")
         self.running = Gauge(PREFIX + "num_requests_running", "Prompts in the running batch")
         self.kv_transfer_time = _hist("kv_transfer_seconds", "KV transfer time, sending side", TRANSFER_BUCKETS)
         self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV bytes sent over UCX")

@@ -99,6 +99,7 @@ async def serve(config: PrefillConfig) -> None:
                 "held_bytes": held.num_bytes, "max_held_bytes": held.max_bytes,
                 "max_queued_tokens": batcher.max_queued_tokens, **batcher.prefix_load()}
         metrics.waiting.set(batcher.num_waiting)
+        metrics.queued_tokens.set(batcher.outstanding_tokens)
         metrics.running.set(batcher.num_running)
         metrics.held_bytes.set(held.num_bytes)
         return WorkerRecord(worker_id, "prefill", f"{config.advertise_host}:{config.port}", ucx_address, load,
