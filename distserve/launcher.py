@@ -212,6 +212,17 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
     return split
 
 
+def _redis_pongs(port: int) -> bool:
+    """Whether the Redis on this machine's `port` answers PING with PONG within 1 s."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.settimeout(1)
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def router_name(index: int) -> str:
     """The launcher's name of router `index`: router, router-1, router-2, ..."""
     return f"router-{index}" if index else "router"
@@ -490,14 +501,10 @@ class Cluster:
         while time.monotonic() < deadline:
             self._ensure_running(process)
             port = int(process.argv[process.argv.index("--port") + 1])
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        self.report.ready("redis", f"127.0.0.1:{port}")
-                        return
-            except OSError:
-                time.sleep(0.1)
+            if _redis_pongs(port):
+                self.report.ready("redis", f"127.0.0.1:{port}")
+                return
+            time.sleep(0.1)
         raise self._report_failure(process, f"not answering PING within {timeout_s:.0f} s")
 
     def wait_healthy(self, process: ManagedProcess, timeout_s: float) -> None:
@@ -525,21 +532,14 @@ class Cluster:
         /health, Redis's PING), each within 1 s; None for a child without one. The supervisor's hang
         probe: a worker NOT_SERVING or a gateway answering 503 (say, while the router restarts) is alive."""
         if process.address:
-            with blocking_channel(process.address, self.spec.tls) as channel:
-                try:
-                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                except grpc.RpcError as exc:
-                    return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-                return True
+            try:
+                self._health_status(process)
+            except grpc.RpcError as exc:
+                return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            return True
         port = int(process.argv[process.argv.index("--port") + 1]) if "--port" in process.argv else 0
         if process.name == "redis" and port:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                    sock.settimeout(1)
-                    sock.sendall(b"PING\r\n")
-                    return sock.recv(16).startswith(b"+PONG")
-            except OSError:
-                return False
+            return _redis_pongs(port)
         if process.name == "gateway" and self.gateway_url:
             try:
                 with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=1):
@@ -551,12 +551,15 @@ class Cluster:
         return None
 
     def _is_serving(self, process: ManagedProcess) -> bool:
+        try:
+            return self._health_status(process) == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def _health_status(self, process: ManagedProcess) -> int:
+        """The child's gRPC health status, asked within 1 s; raises grpc.RpcError when it does not answer."""
         with blocking_channel(process.address, self.spec.tls) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-            except grpc.RpcError:
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
 
     def _report_failure(self, process: ManagedProcess, how: str, hint: str = "") -> StartError:
         """Reports that the child failed to start (`how`: e.g. "exited with code 1"); the StartError to raise,

@@ -101,8 +101,10 @@ class Supervisor:
         self._probe = probe
         self._tracks: dict[str, _Track] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="distserve-supervisor", daemon=True)
-        self._prober = threading.Thread(target=self._run_probes, name="distserve-health-probe", daemon=True)
+        self._thread = threading.Thread(target=self._every, args=(POLL_S, self.check, "restarting"),
+                                        name="distserve-supervisor", daemon=True)
+        self._prober = threading.Thread(target=self._every, args=(PROBE_S, self.probe, "probing"),
+                                        name="distserve-health-probe", daemon=True)
 
     def start(self) -> "Supervisor":
         self._thread.start()
@@ -117,13 +119,14 @@ class Supervisor:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join()
 
-    def _run_probes(self) -> None:
-        while not self._stop.wait(PROBE_S):
+    def _every(self, interval_s: float, step: Callable[[Supervised, float], None], doing: str) -> None:
+        """step(child, now) for every child each interval_s, until stop()."""
+        while not self._stop.wait(interval_s):
             for child in self._children():
                 try:
-                    self.probe(child, time.monotonic())
-                except Exception:  # one failed probe or kill must not end the others' probing
-                    log.exception("supervisor: probing %s failed", child.name)
+                    step(child, time.monotonic())
+                except Exception:  # one child's failed restart, probe or kill must not end the others'
+                    log.exception("supervisor: %s %s failed", doing, child.name)
 
     def probe(self, child: Supervised, now: float) -> None:
         """One hang check of one running child at time `now` (monotonic seconds)."""
@@ -141,14 +144,6 @@ class Supervisor:
                       "Last log lines:\n%s", child.name, now - track.answered_at, child.log_tail(10))
             track.answered_at = None
             child.kill()
-
-    def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
-            for child in self._children():
-                try:
-                    self.check(child, time.monotonic())
-                except Exception:  # a failed respawn must not end supervision of the others
-                    log.exception("supervisor: restarting %s failed", child.name)
 
     def check(self, child: Supervised, now: float) -> None:
         """One supervision step for one child at time `now` (monotonic seconds)."""
