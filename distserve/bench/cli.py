@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=None, help="clip each request to input+output <= this")
     parser.add_argument("--slo-ttft-ms", type=float, default=300.0, help="time-to-first-token SLO")
     parser.add_argument("--slo-tpot-ms", type=float, default=60.0, help="time-per-output-token SLO")
+    parser.add_argument("--slo-itl-p99-ms", type=float, default=None,
+                        help="also an SLO on each request's p99 inter-token gap (per token; default: none)")
+    parser.add_argument("--slo-stall-ms", type=float, default=None,
+                        help="also an SLO on each request's longest gap between chunks (default: none)")
     parser.add_argument("--out", default=None,
                         help="folder for results.json and the charts (optional with --compare: then only a table)")
     parser.add_argument("--label", default=None, help="name of this configuration (default: the --out folder name)")
@@ -119,6 +123,9 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError("--system-len / --think-s: must be >= 0")
     if args.slo_ttft_ms <= 0 or args.slo_tpot_ms <= 0:
         raise ValueError("--slo-ttft-ms / --slo-tpot-ms: must be > 0")
+    for name in ("slo_itl_p99_ms", "slo_stall_ms"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
 
@@ -142,7 +149,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 arrivals = workload.poisson_arrivals(rate, len(requests), args.seed)
                 records, duration_s = await run_rate(session, endpoint, requests, arrivals, desc=f"rate {rate:g}")
             summaries.append(stats.summarize_rate(rate, duration_s, records, args.slo_ttft_ms / 1000,
-                                                  args.slo_tpot_ms / 1000))
+                                                  args.slo_tpot_ms / 1000, *_seconds(args.slo_itl_p99_ms,
+                                                                                     args.slo_stall_ms)))
     fixed = args.workload == "fixed"
     spec = {"name": args.workload, "input_len": args.input_len if fixed else None,
             "output_len": args.output_len if fixed else None, "num_prompts": args.num_prompts, "seed": args.seed,
@@ -150,7 +158,12 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     if multi_turn:
         spec.update(dataclasses.asdict(_chat_shape(args)), num_prompts=args.conversations * args.turns)
     label = args.label or Path(args.out).resolve().name
-    return stats.results_document(label, url, endpoint.model, spec, args.slo_ttft_ms, args.slo_tpot_ms, summaries)
+    return stats.results_document(label, url, endpoint.model, spec, args.slo_ttft_ms, args.slo_tpot_ms, summaries,
+                                  args.slo_itl_p99_ms, args.slo_stall_ms)
+
+
+def _seconds(*values_ms: float | None) -> list[float | None]:
+    return [None if value is None else value / 1000 for value in values_ms]
 
 
 def _chat_shape(args: argparse.Namespace) -> conversations.ChatShape:

@@ -116,6 +116,8 @@ class _Stream:
         self.answer_ids = answer_ids  # extended with each chunk's token_ids, when given
         self.first_content_s: float | None = None
         self.num_chunks = 0  # chunks carrying output
+        self.token_gaps_s: list[float] = []  # per token after the first chunk: its chunk's gap (stats.py: ITL)
+        self._last_content_s: float | None = None
         self.usage_tokens: int | None = None
         self.error = ""
         self.done = False
@@ -140,6 +142,9 @@ class _Stream:
                 self.num_chunks += 1
                 if self.first_content_s is None:
                     self.first_content_s = now
+                else:  # a chunk's token count is known when it carries token ids; else one token a chunk
+                    self.token_gaps_s += [now - self._last_content_s] * max(len(choice.get("token_ids") or ()), 1)
+                self._last_content_s = now
         usage = event.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             self.usage_tokens = int(usage["completion_tokens"])
@@ -169,7 +174,8 @@ async def send_one(session: aiohttp.ClientSession, endpoint: Endpoint, request: 
     tokens = stream.usage_tokens if stream.usage_tokens is not None else stream.num_chunks
     ttft = None if stream.first_content_s is None else stream.first_content_s - start
     return RequestRecord(arrival_s=arrival_s, input_len=len(request.prompt), output_len=tokens, ttft_s=ttft,
-                         e2e_s=None if error else end - start, ok=not error, error=error)
+                         e2e_s=None if error else end - start, ok=not error, error=error,
+                         token_gaps_s=tuple(stream.token_gaps_s))
 
 
 def _error_message(body: str) -> str:

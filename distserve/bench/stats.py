@@ -5,9 +5,15 @@ Definitions (DistServe, OSDI'24; TPOT as vLLM's benchmark computes it):
 - TTFT: send -> first chunk carrying output. E2E: send -> end of the stream.
 - TPOT = (E2E - TTFT) / (output tokens - 1); undefined for 0 or 1 output tokens,
   and such a request meets the TPOT SLO trivially.
-- A request meets the SLOs when it succeeded, TTFT <= the TTFT SLO and TPOT
-  (when defined) <= the TPOT SLO. Attainment is the fraction of ALL sent
-  requests that meet both: failures count as misses.
+- ITL (inter-token latency), per token: the gap between a chunk and the one before
+  it, counted once for each token the chunk carries (a chunk of 4 tokens after a
+  200 ms gap is four 200 ms gaps: what a reader of the stream waited for each).
+  A request's ITL p99 is the 99th percentile of its own gaps; its longest stall,
+  the longest gap. Mean TPOT hides both.
+- A request meets the SLOs when it succeeded, TTFT <= the TTFT SLO, TPOT (when
+  defined) <= the TPOT SLO, and, when set, its ITL p99 and its longest stall
+  within theirs. Attainment is the fraction of ALL sent requests that meet them:
+  failures count as misses.
 - Goodput: the highest request rate whose attainment is >= the target (90%);
   see `goodput` for how it is read off the measured rates.
 
@@ -37,6 +43,15 @@ class RequestRecord:
     e2e_s: float | None
     ok: bool
     error: str = ""
+    token_gaps_s: tuple[float, ...] = ()  # per output token after the first chunk: the gap its chunk waited
+
+    @property
+    def itl_p99_s(self) -> float | None:
+        return float(np.percentile(self.token_gaps_s, 99)) if self.token_gaps_s else None
+
+    @property
+    def max_stall_s(self) -> float | None:
+        return max(self.token_gaps_s) if self.token_gaps_s else None
 
     @property
     def tpot_s(self) -> float | None:
@@ -44,16 +59,23 @@ class RequestRecord:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
 
-    def meets(self, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+    def meets(self, slo_ttft_s: float, slo_tpot_s: float, slo_itl_p99_s: float | None = None,
+              slo_stall_s: float | None = None) -> bool:
+        """The SLOs in the module docstring; an ITL or stall SLO of None is not checked."""
         if not self.ok or self.ttft_s is None or self.ttft_s > slo_ttft_s:
             return False
         tpot = self.tpot_s
-        return tpot is None or tpot <= slo_tpot_s
+        if tpot is not None and tpot > slo_tpot_s:
+            return False
+        for limit, value in ((slo_itl_p99_s, self.itl_p99_s), (slo_stall_s, self.max_stall_s)):
+            if limit is not None and value is not None and value > limit:
+                return False
+        return True
 
     def to_json(self) -> dict[str, Any]:
         return {"arrival_s": self.arrival_s, "input_len": self.input_len, "output_len": self.output_len,
-                "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "ok": self.ok,
-                "error": self.error}
+                "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "itl_p99_s": self.itl_p99_s,
+                "max_stall_s": self.max_stall_s, "e2e_s": self.e2e_s, "ok": self.ok, "error": self.error}
 
 
 class Goodput(NamedTuple):
@@ -70,11 +92,12 @@ def latency_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     return {"mean": float(ms.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def attainment(records: Sequence[RequestRecord], slo_ttft_s: float, slo_tpot_s: float) -> float:
-    """Fraction of all sent requests (failed ones included, as misses) meeting both SLOs; 0.0 when none."""
+def attainment(records: Sequence[RequestRecord], slo_ttft_s: float, slo_tpot_s: float,
+               slo_itl_p99_s: float | None = None, slo_stall_s: float | None = None) -> float:
+    """Fraction of all sent requests (failed ones included, as misses) meeting the SLOs; 0.0 when none."""
     if not records:
         return 0.0
-    return sum(r.meets(slo_ttft_s, slo_tpot_s) for r in records) / len(records)
+    return sum(r.meets(slo_ttft_s, slo_tpot_s, slo_itl_p99_s, slo_stall_s) for r in records) / len(records)
 
 
 def goodput(rates: Sequence[float], attainments: Sequence[float], target: float = ATTAINMENT_TARGET) -> Goodput:
@@ -120,7 +143,8 @@ def rate_from_json(value: float | str) -> float:
 
 
 def summarize_rate(rate: float, duration_s: float, records: Sequence[RequestRecord], slo_ttft_s: float,
-                   slo_tpot_s: float) -> dict[str, Any]:
+                   slo_tpot_s: float, slo_itl_p99_s: float | None = None,
+                   slo_stall_s: float | None = None) -> dict[str, Any]:
     """One entry of results.json's `rates`: throughput, latency percentiles (ok requests), attainment."""
     ok = [r for r in records if r.ok]
     seconds = duration_s if duration_s > 0 else math.inf  # nothing finished: throughputs are 0
@@ -133,18 +157,23 @@ def summarize_rate(rate: float, duration_s: float, records: Sequence[RequestReco
         "output_throughput": sum(r.output_len for r in ok) / seconds,
         "ttft_ms": latency_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": latency_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_ms": latency_ms([gap for r in ok for gap in r.token_gaps_s]),  # every token of every request
+        "max_stall_ms": latency_ms([r.max_stall_s for r in ok if r.max_stall_s is not None]),  # one per request
         "e2e_ms": latency_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
-        "attainment": attainment(records, slo_ttft_s, slo_tpot_s),
+        "attainment": attainment(records, slo_ttft_s, slo_tpot_s, slo_itl_p99_s, slo_stall_s),
         "requests": [r.to_json() for r in records],
     }
 
 
 def results_document(label: str, url: str, model: str, workload: dict[str, Any], slo_ttft_ms: float,
-                     slo_tpot_ms: float, rates: list[dict[str, Any]]) -> dict[str, Any]:
+                     slo_tpot_ms: float, rates: list[dict[str, Any]], slo_itl_p99_ms: float | None = None,
+                     slo_stall_ms: float | None = None) -> dict[str, Any]:
     """The whole results.json: the run's settings, its goodput and each rate's summary."""
     found = goodput([rate_from_json(r["rate"]) for r in rates], [r["attainment"] for r in rates])
-    return {"label": label, "url": url, "model": model, "workload": workload,
-            "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
+    slo = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms,
+           **({"itl_p99_ms": slo_itl_p99_ms} if slo_itl_p99_ms is not None else {}),
+           **({"stall_ms": slo_stall_ms} if slo_stall_ms is not None else {})}
+    return {"label": label, "url": url, "model": model, "workload": workload, "slo": slo,
             "goodput_rps": found.rps, "goodput_is_lower_bound": found.is_lower_bound, "rates": rates}
 
 
@@ -155,13 +184,15 @@ def _ms(value: float | None) -> str:
 def format_summary(results: dict[str, Any]) -> str:
     """The table printed at the end of a run: one row per rate, then the goodput."""
     header = (f"{'rate':>7} {'ok/sent':>9} {'TTFT ms p50':>12} {'p90':>7} {'p99':>7} {'TPOT ms p50':>12} {'p90':>7} "
-              f"{'p99':>7} {'attain':>7}")
+              f"{'p99':>7} {'ITL p99':>8} {'stall p99':>10} {'attain':>7}")
     lines = [header]
     for r in results["rates"]:
         ttft, tpot = r["ttft_ms"], r["tpot_ms"]
+        itl, stall = r.get("itl_ms", {}).get("p99"), r.get("max_stall_ms", {}).get("p99")  # older results lack them
         lines.append(f"{rate_from_json(r['rate']):>7g} {str(r['num_ok']) + '/' + str(r['num_requests']):>9} "
                      f"{_ms(ttft['p50']):>12} {_ms(ttft['p90']):>7} {_ms(ttft['p99']):>7} {_ms(tpot['p50']):>12} "
-                     f"{_ms(tpot['p90']):>7} {_ms(tpot['p99']):>7} {r['attainment'] * 100:>6.1f}%")
+                     f"{_ms(tpot['p90']):>7} {_ms(tpot['p99']):>7} {_ms(itl):>8} {_ms(stall):>10} "
+                     f"{r['attainment'] * 100:>6.1f}%")
     lines.append(goodput_line(results))
     return "\n".join(lines)
 
@@ -169,5 +200,7 @@ def format_summary(results: dict[str, Any]) -> str:
 def goodput_line(results: dict[str, Any]) -> str:
     slo = results["slo"]
     bound = ">= " if results["goodput_is_lower_bound"] else ""
+    extra = "".join(f", {name} <= {slo[key]:g} ms" for key, name in (("itl_p99_ms", "ITL p99"), ("stall_ms", "stall"))
+                    if key in slo)
     return (f"goodput: {bound}{results['goodput_rps']:.2f} req/s at {ATTAINMENT_TARGET:.0%} attainment "
-            f"(TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms)")
+            f"(TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms{extra})")

@@ -103,6 +103,7 @@ async def test_records_ttft_at_first_content_and_tokens_from_usage(server):
     assert (record.arrival_s, record.input_len, record.output_len) == (1.5, 3, 4)
     assert FIRST_TOKEN_DELAY_S <= record.ttft_s <= record.e2e_s  # the empty first chunk is not a token
     assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 3)
+    assert len(record.token_gaps_s) == 3 and all(gap >= 0 for gap in record.token_gaps_s)  # one per later token
     assert server.bodies[0] == {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 4, "min_tokens": 4,
                                 "ignore_eos": True, "temperature": 0, "stream": True,
                                 "stream_options": {"include_usage": True}}

@@ -84,7 +84,8 @@ def test_rate_summary_and_document_follow_the_schema():
     assert rate["ttft_ms"]["p50"] == pytest.approx(150.0)  # ok requests only: 100, 100, 200, 300
     assert rate["tpot_ms"]["mean"] == pytest.approx((50 + 20 + 20 + 100) / 4)
     assert rate["requests"][4] == {"arrival_s": 0.0, "input_len": 16, "output_len": 0, "ttft_s": None,
-                                   "tpot_s": None, "e2e_s": None, "ok": False, "error": "HTTP 503: no decode worker"}
+                                   "tpot_s": None, "itl_p99_s": None, "max_stall_s": None, "e2e_s": None,
+                                   "ok": False, "error": "HTTP 503: no decode worker"}
     low = summarize_rate(1.0, 5.0, trace()[:2], SLO_TTFT_S, SLO_TPOT_S)
     doc = results_document("disagg", "http://x", "m", {"name": "fixed", "input_len": "16", "output_len": "11",
                                                        "num_prompts": 5, "seed": 0}, 200, 50, [low, rate])
@@ -98,3 +99,17 @@ def test_rate_summary_and_document_follow_the_schema():
 def test_no_finished_request_gives_zero_throughput():
     rate = summarize_rate(1.0, 0.0, [record(None, None, 0, ok=False, error="x")], SLO_TTFT_S, SLO_TPOT_S)
     assert rate["request_throughput"] == 0.0 and rate["attainment"] == 0.0 and rate["ttft_ms"]["p50"] is None
+
+
+def test_itl_counts_each_chunks_gap_once_per_token_and_stalls_fail_their_slo():
+    gaps = (0.02,) * 98 + (0.5, 0.5)  # one chunk of 2 tokens after a 500 ms stall
+    stalled = RequestRecord(0.0, 10, 101, ttft_s=0.1, e2e_s=0.1 + 2.96, ok=True, token_gaps_s=gaps)
+    assert stalled.tpot_s == pytest.approx(0.0296)  # the mean hides the stall
+    assert stalled.max_stall_s == 0.5 and stalled.itl_p99_s == pytest.approx(0.5)
+    assert stalled.meets(SLO_TTFT_S, SLO_TPOT_S)  # without ITL SLOs, as before
+    assert not stalled.meets(SLO_TTFT_S, SLO_TPOT_S, slo_itl_p99_s=0.1)
+    assert not stalled.meets(SLO_TTFT_S, SLO_TPOT_S, slo_stall_s=0.3)
+    assert stalled.meets(SLO_TTFT_S, SLO_TPOT_S, slo_itl_p99_s=0.6, slo_stall_s=0.6)
+    summary = summarize_rate(1.0, 3.0, [stalled], SLO_TTFT_S, SLO_TPOT_S, slo_stall_s=0.3)
+    assert summary["attainment"] == 0.0 and summary["max_stall_ms"]["p50"] == pytest.approx(500.0)
+    assert summary["itl_ms"]["mean"] == pytest.approx(sum(gaps) / len(gaps) * 1000)
