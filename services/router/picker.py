@@ -27,6 +27,8 @@ count adds the uncached tokens too, as the worker reports its own queue.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import asyncio
 import collections
 import contextlib
@@ -267,9 +269,11 @@ class WorkerPicker:
         return (self._prompt_tokens_ahead(colocated) - self.cached_tokens(colocated, prompt)
                 < self._prompt_tokens_ahead(prefill) - self.cached_tokens(prefill, prompt))
 
-    def pick_decode(self, num_tokens: int = 0, kv_format: str = "") -> WorkerRecord | None:
+    def pick_decode(self, num_tokens: int = 0, kv_format: str = "",
+                    avoid: Collection[str] = ()) -> WorkerRecord | None:
         """The least-loaded decode worker whose KV cache can hold num_tokens at all, and takes KV of
-        `kv_format` (the prefill worker's layout and dtype) when given.
+        `kv_format` (the prefill worker's layout and dtype) when given; one whose id is in `avoid` (it
+        failed this request already) only when no other qualifies.
 
         Workers with enough free blocks right now come first; one without still qualifies (the
         request waits there for blocks) unless as many requests wait there as it allows; one too
@@ -291,7 +295,8 @@ class WorkerPicker:
 
         fits = [w for w in self.workers("decode") if w.load.get("total_blocks", float("inf")) >= blocks(w)
                 and (not kv_format or w.kv_format == kv_format) and not full(w)]
-        return min(fits, default=None, key=score)
+        untried = [w for w in fits if w.worker_id not in avoid]
+        return min(untried or fits, default=None, key=score)
 
     def track_prompt(self, worker: WorkerRecord, num_tokens: int):
         """Counts num_tokens of prompt as in flight on worker (until its first token) for the block."""

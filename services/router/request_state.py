@@ -45,6 +45,7 @@ class RequestState:
     num_returned: int = 1  # n: completions the client gets (best_of: the best n of len(completions))
     last_message_at: float = 0.0
     num_retries: int = 0
+    failed_decode_workers: set[str] = dataclasses.field(default_factory=set)  # retries pick others first
     timings: common_pb2.Timings = dataclasses.field(default_factory=common_pb2.Timings)
     echo_text: str | None = None  # the prompt text to send back on the first message (echo)
     strip_logprobs: bool = False  # computed only to rank best_of completions: not sent

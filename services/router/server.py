@@ -224,7 +224,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             num_tokens = self._kv_tokens(req)
             prefill_worker = self._picker.pick_prefill(len(req.prompt) + len(req.outputs),
                                                        req.prompt_blocks(self._model_name))
-            decode_worker = prefill_worker and self._picker.pick_decode(num_tokens, prefill_worker.kv_format)
+            decode_worker = prefill_worker and self._picker.pick_decode(num_tokens, prefill_worker.kv_format,
+                                                                        req.failed_decode_workers)
             for role in ("prefill", "decode"):
                 if not self._picker.workers(role):
                     await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
@@ -349,6 +350,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             await self._abort_for(failure, context)  # (n > 1 requests are retried only before any token)
         if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._picker.mark_suspect(worker)
+        if failure.stage == "decode":  # the retry decodes elsewhere when it can (e.g. the link is what failed)
+            req.failed_decode_workers.add(worker.worker_id)
         req.num_retries += 1
         self._metrics.retries.labels(stage=failure.stage).inc()
         with tracing.span("retry", req.request_id) as span:

@@ -117,6 +117,7 @@ def test_a_blocked_kv_pull_is_moved_to_the_other_decode_host(fleet, reference_mo
     router prefills again and decodes on d. Output stays greedy-exact; c serves again once unblocked."""
     batch = prompts(6, reference_model.config.vocab_size, 9)
     requests = [token_request(p, max_tokens=MAX_TOKENS) for p in batch]
+    wait_serving(fleet, fleet.host("c"), requests[:4])  # not still skipped after an earlier test's failure
     fleet.testbed.block(fleet.host("c"), fleet.host("b"))
     try:
         streams = run(fleet, requests)
@@ -127,10 +128,16 @@ def test_a_blocked_kv_pull_is_moved_to_the_other_decode_host(fleet, reference_mo
         assert compare_with_tolerance(got, reference_generate(reference_model, prompt, MAX_TOKENS))[0]
     assert all(fleet.host("d").address in s.decode_workers[-1] for s in streams)
     assert any(fleet.host("c").address in s.decode_workers[0] for s in streams)  # some were sent to c first
-    deadline = time.monotonic() + 60  # the router skips a worker that failed for a while (suspect)
+    wait_serving(fleet, fleet.host("c"), requests[:4])
+
+
+def wait_serving(fleet, host, requests: list[router_pb2.GenerateRequest], timeout_s: float = 60) -> None:
+    """Until one of `requests`, sent together, decodes on `host`: the router skips a worker that failed
+    for a while (suspect), then sends it requests again."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        served = run(fleet, requests[:4])
-        if any(fleet.host("c").address in s.decode_workers[-1] for s in served if s.result()):
-            break
-        assert time.monotonic() < deadline, "host c never served again after its link was unblocked"
+        served = run(fleet, requests)
+        if any(host.address in s.decode_workers[-1] for s in served if s.result()):
+            return
+        assert time.monotonic() < deadline, f"host {host.name} never served"
         time.sleep(1)

@@ -46,6 +46,14 @@ def test_decode_prefers_free_blocks_then_fewest_running():
     assert picker.pick_decode(num_tokens=5000) is None  # no worker can ever hold 313 blocks
 
 
+def test_a_retry_avoids_the_decode_workers_that_failed_it_while_another_fits():
+    best, other = decode("best", free=50), decode("other", free=20, total=30)
+    picker = picker_with([], [best, other])
+    assert picker.pick_decode(100, avoid={"best"}) is other
+    assert picker.pick_decode(100, avoid={"best", "other"}) is best  # all failed it: the best still serves
+    assert picker.pick_decode(1000, avoid={"best"}) is best  # 63 blocks: the other could never hold them
+
+
 def test_decode_must_take_the_prefill_workers_kv_format():
     fp32, bf16 = decode("fp32"), decode("bf16", fmt="2x2x16:bfloat16")
     picker = picker_with([], [fp32, bf16])
