@@ -32,7 +32,8 @@ def describe(cluster: "Cluster") -> dict:
                  else "exited"} for p in list(cluster.processes.values())]
     return {"launcher_pid": os.getpid(), "redis_url": redact_url(cluster.redis_url),
             "gateway_url": cluster.gateway_url, "log_dir": str(cluster.log_dir), "children": children,
-            "tls": cluster.spec.tls.tls_env()}  # file paths (never their contents), for status's health checks
+            "tls": cluster.spec.tls.tls_env(),  # file paths (never their contents), for status's health checks
+            "registry_key_file": cluster.registry_key_file}  # for status's read of the registry
 
 
 def write(path: Path, cluster: "Cluster") -> None:

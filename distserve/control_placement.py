@@ -20,18 +20,19 @@ from typing import Callable
 import redis
 
 from distserve.cpus import move_threads
+from distserve.record_signing import RecordSigner
 from distserve.registry import lists_now
 from distserve.spill_policy import SpillPolicy
 
 log = logging.getLogger(__name__)
 
 
-def every_core_busy(client: redis.Redis, policy: SpillPolicy) -> bool:
+def every_core_busy(client: redis.Redis, policy: SpillPolicy, signer: RecordSigner | None = None) -> bool:
     """Whether a router is spilling (its mark in the registry), or the registry's reports show the pairs
     saturated (SpillPolicy on the least-loaded prefill and decode workers) or spilled work still under
     way: a prefill worker decoding, or a decode worker prefilling, whole requests of its own (their
-    spill-only records). False without a pair."""
-    spilling, workers = lists_now(client, ("prefill", "decode", "colocated"))
+    spill-only records). False without a pair. signer: checks the records (lists_now)."""
+    spilling, workers = lists_now(client, ("prefill", "decode", "colocated"), signer)
     if spilling:  # a router spilled within the last second: the quickest sign
         return True
     prefill, decode = workers["prefill"], workers["decode"]
@@ -51,8 +52,10 @@ class ControlPlacement:
     every_core_busy, checking every interval_s."""
 
     def __init__(self, redis_url: str, pids: Callable[[], list[int]], own: list[int], every: list[int],
-                 policy: SpillPolicy, interval_s: float = 0.1):
+                 policy: SpillPolicy, interval_s: float = 0.1, signer: RecordSigner | None = None):
+        """signer: checks the registry's records with the workers' key (default: this process's)."""
         self._client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+        self._signer = signer
         self._pids = pids
         self._own, self._every = own, every
         self._policy = policy
@@ -80,7 +83,7 @@ class ControlPlacement:
 
     def check(self) -> None:
         """Moves the control plane when every_core_busy changed since the last check."""
-        busy = every_core_busy(self._client, self._policy)
+        busy = every_core_busy(self._client, self._policy, self._signer)
         if busy != self.floating:
             move_threads(self._pids(), self._every if busy else self._own)
             self.floating = busy

@@ -54,6 +54,7 @@ from distserve.config import ConfigError
 from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
 from distserve.metrics import LauncherMetrics
 from distserve.control_placement import ControlPlacement
+from distserve.record_signing import KEY_ENV, KEY_FILE_ENV, RecordSigner, load_key, write_key_file
 from distserve.cpus import format_cpu_list, lower_priority, parse_cpu_list, split_cores
 from distserve.engine import cpu_kernels
 from distserve.spill_policy import SpillPolicy
@@ -288,6 +289,7 @@ class Cluster:
         self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="distserve-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
+        self.registry_key_env = self._registry_key_env()
         self.redis_url = spec.redis_url
         self.gateway_url = ""
         self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
@@ -299,6 +301,24 @@ class Cluster:
 
     def _port(self, wanted: int, offset: int = 0) -> int:
         return wanted + offset if wanted else free_port()
+
+    def _registry_key_env(self) -> dict[str, str]:
+        """DISTSERVE_REGISTRY_KEY_FILE naming a fresh key in the log folder (mode 0600), for every child to sign
+        and check the records in Redis with (distserve.record_signing); {} when this process's environment
+        or the spec's sets a key already (yours wins: launchers sharing one Redis need one key)."""
+        configured = {**os.environ, **self.spec.env}
+        if configured.get(KEY_ENV) or configured.get(KEY_FILE_ENV):
+            return {}
+        return {KEY_FILE_ENV: str(write_key_file(self.log_dir.resolve() / "registry.key"))}
+
+    @property
+    def registry_key_file(self) -> str:
+        """The file holding the children's registry key ("" when given as DISTSERVE_REGISTRY_KEY)."""
+        return self._child_env({}).get(KEY_FILE_ENV, "")
+
+    def registry_key(self) -> bytes | None:
+        """The key the children sign and check registry records with (None: unsigned)."""
+        return load_key(self._child_env({}))
 
     def start(self, timeout_s: float = 180.0) -> "Cluster":
         """Starts every child and waits until each serves; then supervises them when the spec says so."""
@@ -327,7 +347,8 @@ class Cluster:
         every = sorted(worker_cores | set(self.control_cpus))
         pids = lambda: [p.popen.pid for p in self.processes.values() if p.cpus is not None]  # noqa: E731
         return ControlPlacement(self.redis_url, pids, self.control_cpus, every,
-                                SpillPolicy.from_env({**os.environ, **self.spec.env})).start()
+                                SpillPolicy.from_env({**os.environ, **self.spec.env}),
+                                signer=RecordSigner(self.registry_key())).start()
 
     def write_state(self) -> None:
         if self.spec.state_file:
@@ -456,9 +477,9 @@ class Cluster:
         return process
 
     def _child_env(self, env: dict[str, str]) -> dict[str, str]:
-        """A child's whole environment: this process's, the spec's TLS and env, then `env`; this checkout
-        first on PYTHONPATH."""
-        full_env = {**os.environ, **self.spec.tls.tls_env(), **self.spec.env, **env}
+        """A child's whole environment: this process's, the spec's TLS, the registry key, the spec's env,
+        then `env`; this checkout first on PYTHONPATH."""
+        full_env = {**os.environ, **self.spec.tls.tls_env(), **self.registry_key_env, **self.spec.env, **env}
         root = str(Path(__file__).resolve().parent.parent)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
         return full_env

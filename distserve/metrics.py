@@ -10,6 +10,7 @@ supervises (LauncherMetrics).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from typing import Callable, Iterable, Protocol
@@ -39,6 +40,14 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
 
 def _hist(name: str, doc: str, buckets: list[float], labels: tuple[str, ...] = (), prefix: str = PREFIX) -> Histogram:
     return Histogram(prefix + name, doc, labels, buckets=buckets)
+
+
+@functools.cache
+def records_rejected() -> Counter:
+    """Records in Redis dropped for a missing or wrong signature (distserve.record_signing), by kind
+    (worker, kv-handle): one counter per process, served with its other metrics."""
+    return Counter(PREFIX + "registry_records_rejected", "Registry and KV handle records in Redis ignored "
+                   "for a missing or wrong signature (forged or rewritten)", ["kind"])
 
 
 class RouterMetrics:

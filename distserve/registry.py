@@ -10,6 +10,10 @@ Every timestamp here is Redis's clock (the TIME command), never the caller's:
 workers and router may run on machines whose clocks disagree, and a worker
 whose clock runs behind would otherwise look expired to a router whose clock
 runs ahead (or never expire, the other way round).
+
+With a registry key configured (distserve.record_signing), a record carries a `mac` field over the rest
+of it and its Redis key; a reader drops one whose MAC is missing or wrong, so a worker forged or
+rewritten in Redis by someone without the key is never listed (never routed to, never dialled).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Callable
 import redis
 import redis.asyncio as aioredis
 
+from distserve.record_signing import WORKER, RecordSigner, process_signer
 from distserve.redis_client import raise_if_cancelled
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,7 @@ KEY_PREFIX = "distserve:worker:"
 # stays in its role's index this long after, so that every router's next refresh sees it lapse.
 LAPSED_KEPT_S = 60.0
 SPILLING_KEY = "distserve:spilling"  # set (with a short expiry) by a router while it spills requests
+MAC_FIELD = "mac"  # the record's signature, in its JSON (absent when unsigned)
 
 
 @dataclasses.dataclass
@@ -62,15 +68,18 @@ async def server_time(redis: aioredis.Redis) -> float:
 
 
 class WorkerRegistry:
-    def __init__(self, redis: aioredis.Redis, lease_s: float):
+    def __init__(self, redis: aioredis.Redis, lease_s: float, signer: RecordSigner | None = None):
+        """signer: signs the records published and checks those listed (default: this process's, from
+        its environment: record_signing.process_signer)."""
         self._redis = redis
         self.lease_s = lease_s
+        self._signer = signer or process_signer()
 
     async def publish(self, record: WorkerRecord) -> None:
         """Writes the record under a lease of lease_s; sets record.updated_at to Redis's time."""
         record.updated_at = await server_time(self._redis)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(worker_key(record.role, record.worker_id), json.dumps(dataclasses.asdict(record)),
+            pipe.set(worker_key(record.role, record.worker_id), encode_record(record, self._signer),
                      px=int(self.lease_s * 1000))
             pipe.zadd(index_key(record.role), {record.worker_id: record.updated_at + self.lease_s})
             await pipe.execute()
@@ -102,15 +111,17 @@ class WorkerRegistry:
         lapsed = {i.decode() for i, expires_at in entries if expires_at <= now}
         if not ids:
             return [], lapsed
-        return _parse_records(role, await self._redis.mget([worker_key(role, i) for i in ids])), lapsed
+        values = await self._redis.mget([worker_key(role, i) for i in ids])
+        return _parse_records(role, ids, values, self._signer), lapsed
 
 
-def lists_now(client: redis.Redis, roles: tuple[str, ...]) -> tuple[bool, dict[str, list[WorkerRecord]]]:
+def lists_now(client: redis.Redis, roles: tuple[str, ...],
+              signer: RecordSigner | None = None) -> tuple[bool, dict[str, list[WorkerRecord]]]:
     """Whether some router marked itself spilling within its hold time (WorkerRegistry.mark_spilling), and
     the live workers of every role in `roles` (WorkerRegistry.list, read only: expired index entries are
     left for the workers' registries to prune), with a synchronous client, for threads outside an event
     loop (the launcher's control placement, ten times a second on cores the workers use): three
-    pipelined round trips to Redis."""
+    pipelined round trips to Redis. signer: as WorkerRegistry's."""
     with client.pipeline(transaction=False) as pipe:
         pipe.exists(SPILLING_KEY)
         pipe.time()
@@ -124,18 +135,37 @@ def lists_now(client: redis.Redis, roles: tuple[str, ...]) -> tuple[bool, dict[s
             if ids[role]:
                 pipe.mget([worker_key(role, i) for i in ids[role]])
         values = iter(pipe.execute())
-    return bool(spilling), {role: _parse_records(role, next(values)) if ids[role] else [] for role in roles}
+    signer = signer or process_signer()
+    return bool(spilling), {role: _parse_records(role, ids[role], next(values), signer) if ids[role] else []
+                            for role in roles}
 
 
-def _parse_records(role: str, values: list[bytes | None]) -> list[WorkerRecord]:
-    """Records from their JSON; expired keys (None) and malformed records (logged) are skipped."""
+def encode_record(record: WorkerRecord, signer: RecordSigner) -> str:
+    """The record's JSON as stored, with its MAC when the signer has a key."""
+    fields = dataclasses.asdict(record)
+    mac = signer.mac(WORKER, worker_key(record.role, record.worker_id), _canonical(fields))
+    return json.dumps({**fields, MAC_FIELD: mac} if mac else fields)
+
+
+def _canonical(fields: dict) -> bytes:
+    """The bytes a record's MAC covers: its fields but the MAC, in one spelling whoever encodes them (JSON
+    round-trips every value a record holds: strings, ints, floats, bools)."""
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _parse_records(role: str, ids: list[str], values: list[bytes | None], signer: RecordSigner) -> list[WorkerRecord]:
+    """The records stored for `ids`; expired keys (None), malformed records (logged) and, with a key,
+    records whose MAC is missing or wrong (signer.accepts) are skipped."""
     records = []
-    for value in values:
+    for worker_id, value in zip(ids, values):
         if value is None:  # expired, its index entry not yet pruned
             continue
         try:
-            records.append(WorkerRecord(**json.loads(value)))
-        except (ValueError, TypeError) as exc:
+            fields = json.loads(value)
+            mac = fields.pop(MAC_FIELD, None)
+            if signer.accepts(WORKER, worker_key(role, worker_id), _canonical(fields), mac):
+                records.append(WorkerRecord(**fields))
+        except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: JSON that is not an object
             log.warning("ignoring malformed %s registry record: %s", role, exc)
     return records
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import urllib.error
 import urllib.request
 
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from distserve import redis_client
 from distserve.grpc_server import TlsConfig, aio_channel
+from distserve.record_signing import KEY_FILE_ENV, RecordSigner, load_key
 from distserve.redact import redact_url
 from distserve.registry import WorkerRecord, WorkerRegistry
 
@@ -46,6 +48,13 @@ def tls_from_state(state: dict) -> TlsConfig:
     return TlsConfig(**{by_env[env]: value for env, value in state.get("tls", {}).items() if env in by_env})
 
 
+def signer_from_state(state: dict) -> RecordSigner:
+    """Checks registry records with the launcher's key: the file the state names, else this environment's
+    (DISTSERVE_REGISTRY_KEY); with neither, every record is shown."""
+    path = state.get("registry_key_file")
+    return RecordSigner(load_key({KEY_FILE_ENV: path} if path else os.environ))
+
+
 async def _grpc_health(address: str, tls: TlsConfig) -> str:
     async with aio_channel(address, tls) as channel:
         try:
@@ -65,11 +74,11 @@ def _http_health(url: str) -> str:
         return f"UNREACHABLE ({exc.__class__.__name__})"
 
 
-async def _registry_view(client: aioredis.Redis) -> tuple[str, dict[str, WorkerRecord]]:
-    """Redis's health and the registered workers by address."""
+async def _registry_view(client: aioredis.Redis, signer: RecordSigner) -> tuple[str, dict[str, WorkerRecord]]:
+    """Redis's health and the registered workers (whose records `signer` accepts) by address."""
     try:
         await client.ping()
-        registry = WorkerRegistry(client, lease_s=0)
+        registry = WorkerRegistry(client, lease_s=0, signer=signer)
         records = [r for role in ROLES for r in await registry.list(role)]
     except (aioredis.RedisError, OSError) as exc:
         return f"UNREACHABLE ({exc.__class__.__name__})", {}
@@ -80,7 +89,7 @@ async def collect(state: dict, redis_url: str) -> list[ChildStatus]:
     """The status of every child in a launcher's state (see distserve.cluster_state.describe)."""
     client = redis_client.connect(redis_url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
     try:
-        redis_health, records = await _registry_view(client)
+        redis_health, records = await _registry_view(client, signer_from_state(state))
     finally:
         await client.aclose()
     rows = []

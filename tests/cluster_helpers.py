@@ -10,13 +10,16 @@ from __future__ import annotations
 import contextlib
 import time
 import urllib.request
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 import redis
 
 from distserve.launcher import Cluster, ClusterSpec
-from distserve.v1 import colocated_pb2, colocated_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from distserve.record_signing import KV_HANDLE, sign
+from distserve.v1 import (colocated_pb2, colocated_pb2_grpc, decode_pb2, decode_pb2_grpc, kvbroker_pb2,
+                          kvbroker_pb2_grpc, prefill_pb2, prefill_pb2_grpc)
+from tests.builders import sampling
 
 WORKER_LEASE_S = 2.0
 # Short leases and heartbeats, so tests see a worker leave or return within seconds.
@@ -41,6 +44,46 @@ def wait_for_workers(cluster: Cluster, num_prefill: int, num_decode: int, timeou
             return
         time.sleep(0.1)
     raise AssertionError(f"registry never showed {wanted} prefill / decode / colocated workers (last: {counts})")
+
+
+def prefill_with_secret(cluster: Cluster, name: str, prompt: list[int], secret: str) -> prefill_pb2.PrefillResponse:
+    """Prefills `prompt` on worker `name` straight (no router): its KV is held for pullers presenting `secret`."""
+    with grpc.insecure_channel(cluster.processes[name].address) as channel:
+        return prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(prefill_pb2.PrefillRequest(
+            request_id="pull-secret-test", prompt_token_ids=prompt, kv_secret=secret,
+            sampling=sampling(max_tokens=4, ignore_eos=True)), timeout=60)
+
+
+def decode_with_secret(cluster: Cluster, name: str, prompt: list[int], reply: prefill_pb2.PrefillResponse,
+                       secret: str) -> list[int]:
+    """Decodes a prefilled prompt on worker `name` straight (no router), presenting `secret` for its KV."""
+    with grpc.insecure_channel(cluster.processes[name].address) as channel:
+        messages = decode_pb2_grpc.DecodeServiceStub(channel).Decode(decode_pb2.DecodeRequest(
+            request_id=reply.request_id, kv_handle_id=reply.kv_handle_id, prompt_token_ids=prompt,
+            first_token_id=reply.first_token_id, sampling=sampling(max_tokens=4, ignore_eos=True),
+            kv_secret=secret), timeout=60)
+        return [t for m in messages for t in m.token_ids]
+
+
+def release_handle(cluster: Cluster, handle_id: str) -> None:
+    """Releases a KV handle at the kvbroker (its owner frees the KV), as the router does after a request."""
+    with grpc.insecure_channel(cluster.broker_address) as channel:
+        kvbroker_pb2_grpc.KvBrokerServiceStub(channel).ReleaseHandle(
+            kvbroker_pb2.ReleaseHandleRequest(handle_id=handle_id, reason="test done"), timeout=10)
+
+
+def rewrite_handle(cluster: Cluster, handle_id: str, change: Callable[[kvbroker_pb2.KvHandle], None],
+                   resign: bool) -> None:
+    """Rewrites a KV handle's record in Redis as `change` says. resign: signs it afresh with the children's
+    registry key (a writer holding the key); else its MAC stays the old one (a Redis writer without it)."""
+    client = redis.Redis.from_url(cluster.redis_url)
+    key = f"distserve:kv:{handle_id}"
+    handle = kvbroker_pb2.KvHandle.FromString(client.hget(key, "handle"))
+    change(handle)
+    payload = handle.SerializeToString()
+    client.hset(key, "handle", payload)
+    if resign:
+        client.hset(key, "mac", sign(cluster.registry_key(), KV_HANDLE, key, payload))
 
 
 def worker_stats(cluster: Cluster, name: str):

@@ -214,9 +214,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             handle = await self._broker.claim(request.kv_handle_id, self._config.resolved_worker_id,
                                               request.request_id)
         except grpc.aio.AioRpcError as exc:
-            # Never UNAVAILABLE: to the router that means "this decode worker is unreachable".
-            code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND,
-                                                grpc.StatusCode.FAILED_PRECONDITION) else grpc.StatusCode.ABORTED
+            # Never UNAVAILABLE: to the router that means "this decode worker is unreachable". DATA_LOSS:
+            # the handle's record failed its signature check at the broker (forged or rewritten in Redis):
+            # refused like a handle without a checksum, and nothing is pulled.
+            code = exc.code() if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                                                grpc.StatusCode.DATA_LOSS) else grpc.StatusCode.ABORTED
             await context.abort(code, f"claim of kv_handle_id {request.kv_handle_id} failed: {exc.details()}")
         kv_tokens = len(request.prompt_token_ids) + len(completion_so_far(request)) - 1
         error = layout_error(handle.layout, self._spec, self._config.dtype, kv_tokens)

@@ -13,7 +13,7 @@ from distserve import tracing
 from distserve.metrics import BrokerMetrics
 from distserve.v1 import kvbroker_pb2, kvbroker_pb2_grpc
 from services.kvbroker.config import KvBrokerConfig
-from services.kvbroker.store import HandleExists, HandleNotFound, HandleNotReady, HandleStore
+from services.kvbroker.store import HandleExists, HandleForged, HandleNotFound, HandleNotReady, HandleStore
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,10 @@ class KvBrokerServicer(kvbroker_pb2_grpc.KvBrokerServiceServicer):
                 self._count(request, "claim", "already_claimed")
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"handle {request.handle_id} already claimed")
+            except HandleForged:
+                self._count(request, "claim", "bad_signature")
+                await context.abort(grpc.StatusCode.DATA_LOSS, f"handle {request.handle_id}: its record in Redis "
+                                    "fails its signature check (forged or rewritten); not handed out")
             self._count(request, "claim", "ok")
             self._stats.num_claimed += 1
             log.info("claim handle=%s request_id=%s by=%s", handle.handle_id, handle.request_id,

@@ -7,8 +7,9 @@ import grpc
 import pytest
 import redis
 
-from distserve.v1 import decode_pb2, decode_pb2_grpc, kvbroker_pb2, kvbroker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.builders import generate, sampling, token_request
+from distserve.v1 import kvbroker_pb2, kvbroker_pb2_grpc
+from tests.builders import generate, token_request
+from tests.cluster_helpers import decode_with_secret, prefill_with_secret, rewrite_handle
 from tests.integration.conftest import worker_stats
 
 PROMPT_LEN = 600
@@ -64,23 +65,6 @@ def test_kv_bytes_travel_over_ucx_between_workers(cluster, tiny_model_path):
     assert stats.max_request_bytes < 1024 < handle_bytes, "broker requests carry metadata only"
 
 
-def prefill_with_secret(cluster, name: str, prompt: list[int], secret: str) -> prefill_pb2.PrefillResponse:
-    with grpc.insecure_channel(cluster.processes[name].address) as channel:
-        return prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(prefill_pb2.PrefillRequest(
-            request_id="pull-secret-test", prompt_token_ids=prompt, kv_secret=secret,
-            sampling=sampling(max_tokens=4, ignore_eos=True)), timeout=60)
-
-
-def decode_with_secret(cluster, name: str, prompt: list[int], reply: prefill_pb2.PrefillResponse,
-                       secret: str) -> list[int]:
-    with grpc.insecure_channel(cluster.processes[name].address) as channel:
-        messages = decode_pb2_grpc.DecodeServiceStub(channel).Decode(decode_pb2.DecodeRequest(
-            request_id=reply.request_id, kv_handle_id=reply.kv_handle_id, prompt_token_ids=prompt,
-            first_token_id=reply.first_token_id, sampling=sampling(max_tokens=4, ignore_eos=True),
-            kv_secret=secret), timeout=60)
-        return [t for m in messages for t in m.token_ids]
-
-
 def test_decode_pulls_with_the_request_secret_and_a_wrong_one_is_refused(cluster):
     prompt = list(range(20, 80))
     right = prefill_with_secret(cluster, "prefill-0", prompt, "minted-for-this-request")
@@ -106,14 +90,11 @@ def test_a_prefill_without_a_real_kv_secret_is_refused_naming_it(cluster, secret
 
 
 def test_a_handle_record_without_a_checksum_is_refused_and_nothing_is_loaded(cluster):
-    """A handle rewritten in Redis without its checksum (a CRC32C of 0 used to mean "none": unverified)."""
+    """A handle rewritten in Redis without its checksum (a CRC32C of 0 used to mean "none": unverified), by
+    a writer holding the registry key (tests/security: one without it is refused before this check)."""
     prompt = list(range(20, 80))
     reply = prefill_with_secret(cluster, "prefill-0", prompt, "minted-for-this-request")
-    client = redis.Redis.from_url(cluster.redis_url)
-    key = f"distserve:kv:{reply.kv_handle_id}"
-    handle = kvbroker_pb2.KvHandle.FromString(client.hget(key, "handle"))
-    handle.ClearField("kv_crc32c")
-    client.hset(key, "handle", handle.SerializeToString())
+    rewrite_handle(cluster, reply.kv_handle_id, lambda handle: handle.ClearField("kv_crc32c"), resign=True)
     with pytest.raises(grpc.RpcError) as refused:
         decode_with_secret(cluster, "decode-0", prompt, reply, "minted-for-this-request")
     assert refused.value.code() == grpc.StatusCode.DATA_LOSS and "no checksum" in refused.value.details()

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
+from distserve.record_signing import RecordSigner
 from distserve.v1 import common_pb2, kvbroker_pb2
-from services.kvbroker.store import (HandleExists, HandleNotFound, HandleNotReady, HandleStore, handle_key,
-                                    release_channel)
+from services.kvbroker.store import (HandleExists, HandleForged, HandleNotFound, HandleNotReady, HandleStore,
+                                    handle_key, release_channel)
 
 
 def kv_handle(handle_id: str = "h1", owner: str = "prefill-a") -> kvbroker_pb2.KvHandle:
@@ -137,3 +138,34 @@ async def test_an_expired_handle_is_gone(store):
     with pytest.raises(HandleNotFound):
         await store.claim("h1", claimant="decode-b", lease_s=5)
     assert await store.release("h1") is False
+
+
+KEY = b"kvbroker-test-key-" + b"0" * 32
+
+
+async def test_a_signed_store_claims_its_own_records_and_refuses_rewritten_or_unsigned_ones(redis_client):
+    rejected = []
+    store = HandleStore(redis_client, RecordSigner(KEY, rejected.append))
+    await store.register(kv_handle("good"), lease_s=5)
+    assert (await store.claim("good", claimant="decode-b", lease_s=5)).owner_ucx_address == "127.0.0.1:7000"
+
+    await store.register(kv_handle("moved"), lease_s=5)
+    rewritten = kvbroker_pb2.KvHandle.FromString(await redis_client.hget(handle_key("moved"), "handle"))
+    rewritten.owner_ucx_address = "10.6.6.6:7000"  # a Redis writer redirecting the pull
+    await redis_client.hset(handle_key("moved"), "handle", rewritten.SerializeToString())
+    with pytest.raises(HandleForged):
+        await store.claim("moved", claimant="decode-b", lease_s=5)
+
+    await HandleStore(redis_client, RecordSigner(None)).register(kv_handle("unsigned"), lease_s=5)
+    assert await redis_client.hget(handle_key("unsigned"), "mac") == b""
+    with pytest.raises(HandleForged):
+        await store.claim("unsigned", claimant="decode-b", lease_s=5)
+    assert rejected == ["kv-handle", "kv-handle"]
+
+
+async def test_a_store_without_a_key_claims_signed_and_unsigned_records_as_before(redis_client):
+    await HandleStore(redis_client, RecordSigner(KEY)).register(kv_handle("signed"), lease_s=5)
+    unsigned = HandleStore(redis_client, RecordSigner(None))
+    await unsigned.register(kv_handle("unsigned"), lease_s=5)
+    for handle_id in ("signed", "unsigned"):
+        assert (await unsigned.claim(handle_id, claimant="decode-b", lease_s=5)).handle_id == handle_id

@@ -7,7 +7,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat, index_key, worker_key
+from distserve.record_signing import RecordSigner
+from distserve.registry import MAC_FIELD, WorkerRecord, WorkerRegistry, heartbeat, index_key, worker_key
 
 LEASE_S = 0.3
 
@@ -169,3 +170,47 @@ async def test_a_heartbeat_cancelled_inside_a_publish_that_swallows_it_still_end
     done, _ = await asyncio.wait([task], timeout=5)
     assert task in done and task.cancelled()
     assert registry.publishes == 1
+
+
+KEY = b"registry-test-key-" + b"0" * 32
+
+
+async def test_a_signed_registry_lists_its_own_records_and_the_mac_travels_in_the_json(redis_client):
+    import json
+
+    registry = WorkerRegistry(redis_client, lease_s=30, signer=RecordSigner(KEY))
+    published = record("p0", ucx_address="127.0.0.1:7000", load={"num_waiting": 3, "free": 0.25, "spill_only": True})
+    await registry.publish(published)
+    assert await registry.list("prefill") == [published]
+    assert len(json.loads(await redis_client.get(worker_key("prefill", "p0")))[MAC_FIELD]) == 64
+
+
+async def test_records_forged_rewritten_or_moved_in_redis_are_not_listed_by_a_signed_reader(redis_client):
+    import json
+
+    rejected = []
+    registry = WorkerRegistry(redis_client, lease_s=30, signer=RecordSigner(KEY, rejected.append))
+    await registry.publish(record("p0"))
+    stored = json.loads(await redis_client.get(worker_key("prefill", "p0")))
+    expires_at = (await redis_client.zscore(index_key("prefill"), "p0"))
+
+    async def plant(worker_id: str, fields: dict) -> None:
+        await redis_client.set(worker_key("prefill", worker_id), json.dumps(fields))
+        await redis_client.zadd(index_key("prefill"), {worker_id: expires_at})
+
+    await plant("forged", {**stored, "worker_id": "forged", "address": "10.6.6.6:1"})  # its MAC is p0's
+    await plant("unsigned", {k: v for k, v in stored.items() if k != MAC_FIELD} | {"worker_id": "unsigned"})
+    await plant("p1", stored)  # p0's record, signature and all, copied under another id
+    assert [w.worker_id for w in await registry.list("prefill")] == ["p0"]
+    await plant("p0", {**stored, "address": "10.6.6.6:50070"})  # rewritten in place, its MAC kept
+    assert await registry.list("prefill") == []
+    assert rejected == ["worker"] * 7, "each read of a bad record counts (3 the first time, 4 the second)"
+
+
+async def test_a_reader_without_a_key_lists_signed_and_unsigned_records_as_before(redis_client):
+    await WorkerRegistry(redis_client, lease_s=30, signer=RecordSigner(KEY)).publish(record("p0"))
+    await WorkerRegistry(redis_client, lease_s=30, signer=RecordSigner(None)).publish(record("p1"))
+    unsigned_reader = WorkerRegistry(redis_client, lease_s=30, signer=RecordSigner(None))
+    assert sorted(w.worker_id for w in await unsigned_reader.list("prefill")) == ["p0", "p1"]
+    signed_reader = WorkerRegistry(redis_client, lease_s=30, signer=RecordSigner(KEY))
+    assert [w.worker_id for w in await signed_reader.list("prefill")] == ["p0"]
