@@ -126,3 +126,18 @@ def test_the_launcher_hands_its_children_a_fresh_key_file_unless_a_key_is_config
     configured = Cluster(ClusterSpec(model="m", log_dir=str(tmp_path / "run-3"), env={KEY_ENV: "y" * 40}))
     assert configured.registry_key_env == {} and configured.registry_key_file == ""
     assert not (tmp_path / "run-3" / "registry.key").exists()
+
+
+def test_a_process_without_a_key_warns_once_that_records_are_unsigned(monkeypatch, caplog):
+    from distserve.record_signing import process_signer
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
+    process_signer.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="distserve.record_signing"):
+            signers = {id(process_signer()) for _ in range(3)}  # every registry and store in the process
+        assert len(signers) == 1 and not process_signer().is_signing
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == ["registry records in Redis are unsigned"]
+    finally:
+        process_signer.cache_clear()
