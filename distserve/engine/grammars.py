@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
     from distserve.engine.structured import GrammarCompiler, GrammarState, StructuredSpec
 
 
@@ -35,8 +37,14 @@ class LazyGrammarCompiler:
         """Compiles spec (cached) or raises structured.InvalidGrammar."""
         self.compiler().check(spec)
 
-    def matcher(self, spec: StructuredSpec, tokens_so_far: Sequence[int] = ()) -> GrammarState:
-        """A sequence's grammar state, past the completion tokens it already has."""
+    def compiled(self, spec: StructuredSpec) -> CompiledGrammar:
+        """spec's compiled grammar (cached), compiled in the calling thread: callers run it off the forward
+        thread (asyncio.to_thread) and hand the result to matcher(), so no step waits on a compile."""
+        return self.compiler().compiled(spec)
+
+    def matcher(self, spec: StructuredSpec | CompiledGrammar, tokens_so_far: Sequence[int] = ()) -> GrammarState:
+        """A sequence's grammar state, past the completion tokens it already has; spec may be what
+        compiled() returned."""
         state = self.compiler().matcher(spec)
         state.accept_all(tokens_so_far)
         return state

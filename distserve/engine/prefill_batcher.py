@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -117,6 +117,7 @@ class _Pending:
     cached: CachedPrefix | None = None  # pinned until the first chunk copies it into kv
     num_cached_tokens: int = 0
     looked_up_at: int = -1  # the cache's stored-block count at the last look-up (-1: never looked up)
+    grammar: Any = None  # params.structured compiled (xgrammar CompiledGrammar) before the prompt queued
 
     @property
     def num_remaining(self) -> int:
@@ -192,6 +193,9 @@ class PrefillBatcher:
             raise QueueFull(f"prefill queue is full: {queued} prompt tokens outstanding, cap {self.max_queued_tokens}")
         pending = _Pending(prompt, params, asyncio.get_running_loop().create_future(), next_token=next_token,
                            num_completions=num_completions)
+        if params.structured is not None and self._grammars is not None and next_token is None:
+            # Compiled here, off the forward thread: a slow compile holds this prompt back, not the batch.
+            pending.grammar = await asyncio.to_thread(self._grammars.compiled, params.structured)
         self._reuse_cached_prefix(pending)
         self._waiting.append(pending)
         self._wakeup.set()
@@ -361,7 +365,7 @@ class PrefillBatcher:
         if pending.next_token is not None:
             return self._packaged(pending, pending.next_token, None, ended, end_ns, batch_size, batch_tokens)
         try:
-            starts = [self._start(logits, completion_params(params, i), pending.prompt)
+            starts = [self._start(logits, completion_params(params, i), pending.prompt, pending.grammar)
                       for i in range(pending.num_completions)]
         except Exception as exc:  # e.g. non-finite probabilities: fails this request only
             return exc
@@ -372,15 +376,16 @@ class PrefillBatcher:
             result.starts = starts
         return result
 
-    def _start(self, logits: torch.Tensor, params: SamplingParams, prompt: list[int]) -> Start:
+    def _start(self, logits: torch.Tensor, params: SamplingParams, prompt: list[int], compiled: Any) -> Start:
         """Samples a completion's first token from the prompt's last logits [V] (left unmodified); a
-        constrained one from the tokens its grammar allows."""
+        constrained one from the tokens its grammar (compiled: params.structured's, compiled at submit)
+        allows."""
         grammar, allowed = None, logits
         if params.structured is not None:
             from distserve.engine.structured import mask_logits  # xgrammar loads with the first grammar
             if self._grammars is None:
                 raise ValueError("structured_output: this worker has no grammar compiler")
-            grammar = self._grammars.matcher(params.structured)
+            grammar = self._grammars.matcher(compiled if compiled is not None else params.structured)
             allowed = logits[None].clone()  # [1, V]
             mask_logits(allowed, [grammar])
             allowed = allowed[0]

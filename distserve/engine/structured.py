@@ -35,15 +35,15 @@ incomplete.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import re
-import threading
 from collections.abc import Iterable
 
 import torch
 import xgrammar as xgr
+
+from distserve.segmented_lru import SegmentedLru
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # A spec's text (all of a choice's strings together) is at most this long: compiling grows with it, and
@@ -118,8 +118,9 @@ def json_schema_problem(schema: str) -> str:
 
 
 class GrammarCompiler:
-    """Per process (worker or router): the tokenizer's vocabulary in xgrammar's form, and an LRU cache of
-    compiled grammars keyed by spec. Thread-safe; compiling the same spec twice at once is harmless."""
+    """Per process (worker or router): the tokenizer's vocabulary in xgrammar's form, and a segmented LRU
+    cache of compiled grammars keyed by spec (a flood of distinct specs churns only the entries seen once;
+    see distserve.segmented_lru). Thread-safe; compiling the same spec twice at once is harmless."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], *,
                  max_cached: int = 256, max_threads: int = 2):
@@ -131,9 +132,8 @@ class GrammarCompiler:
                                                        stop_token_ids=list(stop_token_ids) or None)
         # Our own LRU below holds compiled grammars; xgrammar's cache would keep a second copy.
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads, cache_enabled=False)
-        self._cache: collections.OrderedDict[StructuredSpec, xgr.CompiledGrammar] = collections.OrderedDict()
-        self._max_cached = max_cached
-        self._lock = threading.Lock()
+        self._cache: SegmentedLru[StructuredSpec, xgr.CompiledGrammar] = SegmentedLru(
+            max_cached, probation_capacity=max(1, max_cached // 4))
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -141,29 +141,27 @@ class GrammarCompiler:
         return tuple(self._info.stop_token_ids)
 
     def cached_specs(self) -> tuple[StructuredSpec, ...]:
-        """The specs whose compiled grammars are cached, least recently used first."""
-        with self._lock:
-            return tuple(self._cache)
+        """The specs whose compiled grammars are cached: those seen once, then those seen again, each least
+        recently used first."""
+        return self._cache.keys()
 
     def check(self, spec: StructuredSpec) -> None:
-        """Compiles spec (cached) or raises InvalidGrammar; the router calls it to validate a request."""
-        self._compiled(spec)
+        """Compiles spec (cached) or raises InvalidGrammar."""
+        self.compiled(spec)
 
-    def matcher(self, spec: StructuredSpec) -> GrammarState:
-        """A fresh state at the start of spec's grammar. Raises InvalidGrammar."""
-        return GrammarState(xgr.GrammarMatcher(self._compiled(spec)), self.vocab_size)
+    def matcher(self, spec: StructuredSpec | xgr.CompiledGrammar) -> GrammarState:
+        """A fresh state at the start of a grammar: spec's (compiled here, or cached), or one compiled()
+        returned earlier, which never compiles. Raises InvalidGrammar."""
+        compiled = spec if isinstance(spec, xgr.CompiledGrammar) else self.compiled(spec)
+        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
 
-    def _compiled(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
-        with self._lock:
-            if spec in self._cache:
-                self._cache.move_to_end(spec)
-                return self._cache[spec]
-        compiled = self._compile(spec)
-        with self._lock:
-            self._cache[spec] = compiled
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
+    def compiled(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
+        """spec's compiled grammar, from the cache or compiled now (in the calling thread). Raises
+        InvalidGrammar; failures are not cached."""
+        compiled = self._cache.get(spec)
+        if compiled is None:
+            compiled = self._compile(spec)
+            self._cache.put(spec, compiled)
         return compiled
 
     def _compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:

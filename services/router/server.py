@@ -15,7 +15,6 @@ from opentelemetry import trace
 from distserve import tracing
 from distserve.broker_client import BrokerClient
 from distserve.convert import finish_from_proto, sampling_to_proto
-from distserve.engine.grammars import LazyGrammarCompiler
 from distserve.model_spec import ModelSpec
 from distserve.request_types import SamplingParams
 from distserve.grpc_server import ChannelPool
@@ -23,6 +22,7 @@ from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
 from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.grammar_check import GrammarChecker
 from services.router.picker import WorkerPicker
 from services.router.stage_failure import StageFailed
 from services.router import tokenizer_service
@@ -44,7 +44,7 @@ def _trace_failure(code: grpc.StatusCode, details: str) -> None:
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, config: RouterConfig, tokenizer, spec: ModelSpec, picker: WorkerPicker,
-                 channels: ChannelPool, model_name: str, metrics: RouterMetrics):
+                 channels: ChannelPool, grammars: GrammarChecker, model_name: str, metrics: RouterMetrics):
         self._config = config
         self._tokenizer = tokenizer
         self._spec = spec
@@ -53,7 +53,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._model_name = model_name
         self._metrics = metrics
         self._broker = BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s)
-        self._grammars = LazyGrammarCompiler("", spec.vocab_size, spec.eos_token_ids, tokenizer=tokenizer)
+        self._grammars = grammars
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -107,12 +107,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return req
 
     async def _check_grammar(self, params: SamplingParams, context) -> None:
-        """INVALID_ARGUMENT when the request's grammar does not compile (compiled once, then cached)."""
-        from distserve.engine.structured import InvalidGrammar
+        """INVALID_ARGUMENT when the request's grammar does not compile within the deadline (verdicts
+        cached); UNAVAILABLE when the compiler process cannot start."""
         try:
-            await asyncio.to_thread(self._grammars.check, params.structured)
-        except InvalidGrammar as exc:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"structured_output: {exc}")
+            problem = await self._grammars.problem(params.structured)
+        except RuntimeError as exc:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"structured_output: {exc}")
+        if problem:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"structured_output: {problem}")
 
     def _kv_tokens(self, req: RequestState) -> int:
         """Tokens of KV the request may need: prompt + max_tokens, capped at the context."""

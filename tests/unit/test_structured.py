@@ -264,18 +264,25 @@ def test_all_none_is_a_no_op_and_sizes_are_checked(compiler):
         mask_logits(torch.randn(1, VOCAB + 32), [state])
 
 
-def test_compiled_grammars_are_cached_lru(tokenizer):
-    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), max_cached=2)
-    a, b, c = (StructuredSpec("regex", p) for p in ("a+", "b+", "c+"))
-    compiler.check(a)
-    compiler.check(b)
-    assert len(compiler.cached_specs()) == 2
-    compiler.check(a)  # a is now the most recent: c evicts b
-    compiler.check(c)
-    assert compiler.cached_specs() == (a, c)
+def test_compiled_grammars_are_cached_and_one_off_specs_cannot_flush_repeated_ones(tokenizer):
+    compiler = GrammarCompiler(tokenizer, VOCAB, (EOS,), max_cached=4)  # 1 entry for specs seen once
+    hot = StructuredSpec("regex", "a+")
+    compiler.check(hot)
+    compiler.check(hot)  # seen twice: protected
+    for pattern in ("b+", "c+", "d+", "e+"):  # a flood of one-off specs
+        compiler.check(StructuredSpec("regex", pattern))
+    assert hot in compiler.cached_specs()
+    assert compiler.compiled(hot) is compiler.compiled(hot)  # a hit compiles nothing
+    assert len(compiler.cached_specs()) == 2  # hot, and the last one-off spec
     with pytest.raises(InvalidGrammar):
         compiler.check(StructuredSpec("regex", "(("))
-    assert compiler.cached_specs() == (a, c)  # failures are not cached
+    assert StructuredSpec("regex", "((") not in compiler.cached_specs()  # failures are not cached
+
+
+def test_a_compiled_grammar_makes_matchers_without_its_spec(compiler):
+    compiled = compiler.compiled(StructuredSpec("choice", ("yes", "no")))
+    first, second = compiler.matcher(compiled), compiler.matcher(compiled)
+    assert first is not second and first.allowed_mask().equal(second.allowed_mask())
 
 
 def test_bounded_strings_exclude_control_characters(compiler, tokenizer):
