@@ -27,7 +27,10 @@ from distserve.config import ConfigError, setting
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # channels: a worker's answer may carry a whole prompt's logprobs
+# What one server accepts in a message. Servers inside the fleet take prompts and KV handles (KV bytes move
+# over UCX, never gRPC); the router's public API sets its own, smaller cap (RouterConfig.max_request_mb).
+INTERNAL_MAX_RECEIVE_BYTES = 16 * 1024 * 1024
 # Keepalive: a peer that stops answering (killed host, paused process, dropped link) fails its calls
 # with UNAVAILABLE within about 15 s instead of holding them until their deadlines; servers accept
 # pings that often and probe idle clients the same way.
@@ -147,14 +150,18 @@ async def run_grpc_server(
     drain_s: float = 0.0,
     tls: TlsConfig = PLAINTEXT,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_receive_bytes: int = INTERNAL_MAX_RECEIVE_BYTES,
 ) -> None:
     """Serves until SIGTERM/SIGINT (or stop_event). on_ready gets the bound port.
 
     After on_shutdown (deregistration) the server keeps accepting calls for drain_s, so requests
     routed to it just before it left the registry still land; then it stops taking new calls and
-    lets in-flight ones finish for up to grace_s.
+    lets in-flight ones finish for up to grace_s. A message over max_receive_bytes fails its call with
+    RESOURCE_EXHAUSTED.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    options = [(key, value) for key, value in SERVER_OPTIONS if key != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in services:

@@ -22,6 +22,7 @@ from distserve.registry import WorkerRegistry
 from distserve.v1 import router_pb2_grpc
 from services.router.config import RouterConfig
 from distserve.spill_policy import SpillPolicy
+from services.router.grammar_check import GrammarChecker
 from services.router.picker import WorkerPicker
 from services.router.server import RouterServicer
 
@@ -35,7 +36,9 @@ async def serve(config: RouterConfig) -> None:
                           SpillPolicy(config.spill_prefill_tokens, config.spill_decode_running,
                                       config.spill_burst_tokens))
     channels = ChannelPool(config)
-    servicer = RouterServicer(config, load_tokenizer(path), load_model_spec(path), picker, channels,
+    spec = load_model_spec(path)
+    grammars = GrammarChecker(path, spec.vocab_size, spec.eos_token_ids, config.grammar_compile_timeout_s)
+    servicer = RouterServicer(config, load_tokenizer(path), spec, picker, channels, grammars,
                               model_name=Path(path).name, metrics=RouterMetrics())
     serve_metrics(config.metrics_port, config.host)
     tasks: list[asyncio.Task] = []
@@ -47,6 +50,7 @@ async def serve(config: RouterConfig) -> None:
     service = Service(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "distserve.v1.RouterService")
     try:
         await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, tls=config,
+                              max_receive_bytes=int(config.max_request_mb * 2**20),
                               interceptors=[BearerKeyInterceptor(config.api_key)] if config.api_key else [])
     finally:
         for task in tasks:
@@ -54,6 +58,7 @@ async def serve(config: RouterConfig) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
         await channels.close()
+        await grammars.close()
         await redis.aclose()
         shutdown_tracing()
 

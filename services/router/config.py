@@ -31,6 +31,12 @@ class RouterConfig(TlsConfig, ApiKeyConfig):
     registry_refresh_s: float = setting(0.5, "how often to re-read the worker registry")
     suspect_s: float = setting(5.0, "skip a worker this long after a call to it failed to connect")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
+    max_request_mb: float = setting(4.0, "largest Generate request accepted, in MiB (a longer one fails with "
+                                         "RESOURCE_EXHAUSTED before it is read)")
+    grammar_compile_timeout_s: float = setting(2.0, "a structured-output spec (regex, JSON schema, grammar, choice) "
+                                                    "that does not compile within this is refused "
+                                                    "(INVALID_ARGUMENT); compiles run in a child process that is "
+                                                    "killed at the deadline")
     max_retries: int = setting(2, "times one request may be re-prefilled and moved to other workers after "
                                   "a worker or its KV is lost (request migration)")
     spill_prefill_tokens: int = setting(SpillPolicy.prefill_tokens, "spill-only colocated workers (prefill/decode workers started with "
@@ -52,6 +58,8 @@ class RouterConfig(TlsConfig, ApiKeyConfig):
         require(self.decode_idle_timeout_s > 0, "decode_idle_timeout_s", "must be > 0")
         require(self.max_retries >= 0, "max_retries", "must be >= 0")
         require(self.registry_refresh_s > 0, "registry_refresh_s", "must be > 0")
+        require(self.max_request_mb > 0, "max_request_mb", "must be > 0")
+        require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", "must be > 0")
         require(self.spill_prefill_tokens >= 0, "spill_prefill_tokens", "must be >= 0 (0: never on that count)")
         require(self.spill_decode_running >= 0, "spill_decode_running", "must be >= 0 (0: never on that count)")
         require(self.spill_burst_tokens >= 0, "spill_burst_tokens", "must be >= 0 (0: never)")
