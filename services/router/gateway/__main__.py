@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from distserve.tracing import init_tracing, shutdown_tracing
 from services.router.gateway.app import create_app
 from services.router.gateway.chat_template import ChatTemplate
 from services.router.gateway.config import GatewayConfig
+from services.router.gateway.limits import GuardedRunner
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +31,26 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_model_path(config.model)
     template = ChatTemplate(load_tokenizer(path), load_model_spec(path).max_context, config.load_chat_template())
     app = create_app(config, template, config.served_model_name or Path(path).name)
-    # handler_cancellation: a client that disconnects cancels its handler, and so its router call.
-    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None,
-                shutdown_timeout=config.shutdown_grace_s, loop=event_loop.new_loop())
+    event_loop.run(serve(app, config))
     shutdown_tracing()
+
+
+async def serve(app: web.Application, config: GatewayConfig) -> None:
+    """Serves until SIGTERM or SIGINT, then lets in-flight requests finish for shutdown_grace_s."""
+    # handler_cancellation: a client that disconnects cancels its handler, and so its router call.
+    runner = GuardedRunner(app, max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
+                           handler_cancellation=True, shutdown_timeout=config.shutdown_grace_s,
+                           keepalive_timeout=config.keepalive_timeout_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        log.info("gateway ready: http://%s:%d", config.host, config.port)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":

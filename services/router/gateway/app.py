@@ -29,6 +29,7 @@ from services.router.gateway.chat_template import ChatTemplate
 from services.router.gateway.config import GatewayConfig
 from services.router.gateway.errors import ApiError, bad_request, internal_error
 from services.router.gateway.json_fields import parse_json_object
+from services.router.gateway.limits import TokenBuckets, body_deadline_middleware, rate_limit_middleware
 from services.router.gateway.openai_protocol import (
     ApiRequest,
     Endpoint,
@@ -150,8 +151,13 @@ class Gateway:
 
 def create_app(config: GatewayConfig, template: ChatTemplate, served_model_name: str) -> web.Application:
     metrics = GatewayMetrics()
-    middlewares = [error_middleware, tracing_middleware(metrics)] + (
-        [api_key_middleware(config.api_key)] if config.api_key else [])
+    middlewares = [error_middleware, tracing_middleware(metrics)]
+    if config.api_key:
+        middlewares.append(api_key_middleware(config.api_key))
+    if config.rate_limit_rps:
+        buckets = TokenBuckets(config.rate_limit_rps, config.rate_limit_burst_size)
+        middlewares.append(rate_limit_middleware(buckets, _is_generation))
+    middlewares.append(body_deadline_middleware(config.body_timeout_s))  # after the key: strangers send no body
     app = web.Application(middlewares=middlewares, client_max_size=int(config.max_body_mb * 2**20))
     gateway = Gateway(config, template, served_model_name, metrics)
     app.cleanup_ctx.append(gateway.lifespan)
@@ -227,6 +233,14 @@ def api_key_middleware(api_key: str) -> Callable:
         return await handler(request)
 
     return check_api_key
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def _is_generation(path: str) -> bool:
+    """The paths that start model work, which rate limits apply to."""
+    return path in GENERATION_PATHS
 
 
 def _is_api(path: str) -> bool:

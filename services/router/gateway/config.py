@@ -38,6 +38,16 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
     retry_after_s: int = setting(1, "Retry-After seconds sent with 429 (router out of KV capacity)")
     max_body_mb: float = setting(8.0, "largest accepted request body, in MiB")
     shutdown_grace_s: float = setting(10.0, "on SIGTERM, how long in-flight requests may still run")
+    rate_limit_rps: float = setting(0.0, "requests per second each client may make to the generation endpoints "
+                                         "(a client: its API key, else its address); past it, 429 with "
+                                         "Retry-After (0: no limit)")
+    rate_limit_burst: int = setting(0, "requests a client may make at once before rate_limit_rps applies "
+                                       "(0: twice rate_limit_rps, at least 1)")
+    max_connections: int = setting(4096, "open HTTP connections at most; one more is closed at once")
+    header_timeout_s: float = setting(10.0, "a new connection that has not sent a whole request's headers "
+                                            "within this is closed")
+    body_timeout_s: float = setting(30.0, "a request whose body has not arrived within this gets 408")
+    keepalive_timeout_s: float = setting(75.0, "an idle keep-alive connection is closed after this")
     chat_template: str = setting("", "Jinja chat template for chat requests, or a file holding one; overrides "
                                      "the tokenizer's (needed for a model without one)")
     tool_call_parser: str = setting("", "format tool_choice \"auto\" reads calls in: hermes, llama3_json or "
@@ -55,11 +65,20 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
         require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
         require(self.max_body_mb > 0, "max_body_mb", "must be > 0")
         require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
+        require(self.rate_limit_rps >= 0, "rate_limit_rps", "must be >= 0 (0: no limit)")
+        require(self.rate_limit_burst >= 0, "rate_limit_burst", "must be >= 0")
+        require(self.max_connections > 0, "max_connections", "must be > 0")
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            require(getattr(self, name) > 0, name, "must be > 0")
         require(self.tool_call_parser in ("", *tool_parsers.PARSERS), "tool_call_parser",
                 f"must be one of {', '.join(tool_parsers.PARSERS)}; got {self.tool_call_parser!r}")
         require(self.reasoning_parser in ("", *reasoning.PARSERS), "reasoning_parser",
                 f"must be one of {', '.join(reasoning.PARSERS)}; got {self.reasoning_parser!r}")
         self.check_api_key_settings(self.host, has_tls=False)  # its TLS is to the router; its HTTP port has none
+
+    @property
+    def rate_limit_burst_size(self) -> int:
+        return self.rate_limit_burst or max(1, round(2 * self.rate_limit_rps))
 
     @property
     def router_addresses(self) -> list[str]:
