@@ -151,3 +151,16 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(services):
     assert (dashboards / "distserve.json").is_file()
     home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == provider["options"]["path"] + "/distserve.json"
+
+
+def test_the_image_runs_services_as_an_unprivileged_user_who_owns_the_cache(services):
+    """The Dockerfile's last USER is not root, and it owns /cache before the volume is declared; compose sets
+    no user that would override it."""
+    lines = (ROOT / "deploy" / "compose" / "Dockerfile").read_text().splitlines()
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    uid = users[-1].split(":")[0]
+    volume = next(i for i, line in enumerate(lines) if line.startswith("VOLUME /cache"))
+    assert any(f"chown {uid}:" in line and "/cache" in line for line in lines[:volume])
+    assert all(services[name].get("user") in (None, uid) for name in ("router", "kvbroker", "prefill", "decode",
+                                                                      "gateway", "colocated"))
