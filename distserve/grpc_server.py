@@ -71,6 +71,10 @@ class TlsConfig:
     tls_ca: str = setting("", "PEM CA that signed the peers' certificates", env="DISTSERVE_TLS_CA")
     tls_server_name: str = setting("", "name to expect in servers' certificates instead of the dialed host "
                                        "(e.g. one certificate for every service)", env="DISTSERVE_TLS_SERVER_NAME")
+    tls_check_roles: bool = setting(False, "with TLS, refuse calls whose client certificate does not name a role "
+                                           "allowed to call this service (its subject's OU; see "
+                                           "distserve.peer_roles); `up --tls-dir` turns it on",
+                                    env="DISTSERVE_TLS_CHECK_ROLES")
 
     @property
     def is_tls(self) -> bool:
@@ -78,7 +82,8 @@ class TlsConfig:
 
     def tls_env(self) -> dict[str, str]:
         """The environment that gives a child process these settings (how the launcher passes them on)."""
-        return {f.metadata["env"]: getattr(self, f.name) for f in dataclasses.fields(TlsConfig) if getattr(self, f.name)}
+        return {f.metadata["env"]: str(int(value) if isinstance(value, bool) else value)
+                for f in dataclasses.fields(TlsConfig) if (value := getattr(self, f.name))}
 
     def tls_pem(self) -> tuple[bytes, bytes, bytes]:
         """(cert, key, ca) file contents; ConfigError naming the field that is missing or unreadable."""
@@ -151,14 +156,19 @@ async def run_grpc_server(
     tls: TlsConfig = PLAINTEXT,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_receive_bytes: int = INTERNAL_MAX_RECEIVE_BYTES,
+    peer_roles: frozenset[str] | None = None,
 ) -> None:
     """Serves until SIGTERM/SIGINT (or stop_event). on_ready gets the bound port.
 
     After on_shutdown (deregistration) the server keeps accepting calls for drain_s, so requests
     routed to it just before it left the registry still land; then it stops taking new calls and
     lets in-flight ones finish for up to grace_s. A message over max_receive_bytes fails its call with
-    RESOURCE_EXHAUSTED.
+    RESOURCE_EXHAUSTED. With tls.tls_check_roles, only clients whose certificates name one of peer_roles
+    may call (distserve.peer_roles); None: any certificate from the CA.
     """
+    if tls.is_tls and tls.tls_check_roles and peer_roles is not None:
+        from distserve.peer_roles import PeerRoleInterceptor
+        interceptors = [PeerRoleInterceptor(peer_roles), *interceptors]
     options = [(key, value) for key, value in SERVER_OPTIONS if key != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
     server = grpc.aio.server(options=options, interceptors=list(interceptors))

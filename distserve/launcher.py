@@ -56,6 +56,7 @@ from distserve.metrics import LauncherMetrics
 from distserve.control_placement import ControlPlacement
 from distserve.record_signing import KEY_ENV, KEY_FILE_ENV, RecordSigner, load_key, write_key_file
 from distserve.cpus import format_cpu_list, lower_priority, parse_cpu_list, split_cores
+from distserve.dev_certs import role_tls
 from distserve.engine import cpu_kernels
 from distserve.spill_policy import SpillPolicy
 from distserve.ports import free_port, held_by_a_server, is_bind_failure
@@ -454,8 +455,9 @@ class Cluster:
         A worker named in worker_cpus (the spec's prefill-i, decode-i) is pinned to its cores; others are not."""
         port = address.rpartition(":")[2]
         metrics_port = metrics_port or free_port()
+        role = module.rpartition(".")[2]
         env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url,
-               "OTEL_SERVICE_NAME": f"distserve-{module.rpartition('.')[2]}"}
+               "OTEL_SERVICE_NAME": f"distserve-{role}", **role_tls(self.spec.tls, role).tls_env()}
         if "kvbroker" in self.processes:
             env["DISTSERVE_BROKER_ADDRESS"] = self.processes["kvbroker"].address
         argv = [sys.executable, "-m", module, "--port", port, "--metrics-port", str(metrics_port)]
@@ -478,7 +480,8 @@ class Cluster:
 
     def _child_env(self, env: dict[str, str]) -> dict[str, str]:
         """A child's whole environment: this process's, the spec's TLS, the registry key, the spec's env,
-        then `env`; this checkout first on PYTHONPATH."""
+        then `env` (a service's own role certificate, when the TLS folder has one); this checkout first on
+        PYTHONPATH."""
         full_env = {**os.environ, **self.spec.tls.tls_env(), **self.registry_key_env, **self.spec.env, **env}
         root = str(Path(__file__).resolve().parent.parent)
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)

@@ -12,6 +12,7 @@ import logging
 from typing import Awaitable, Callable
 
 from distserve.grpc_server import PLAINTEXT, Service, TlsConfig, run_grpc_server
+from distserve.peer_roles import WORKER_CALLERS
 from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ async def serve_worker(
 
     try:
         await run_grpc_server(address, services, on_ready, on_shutdown, grace_s=grace_s, drain_s=drain_s,
-                              tls=tls)
+                              tls=tls, peer_roles=WORKER_CALLERS)
     finally:
         await stop_tasks(tasks + beat)
 

@@ -9,6 +9,7 @@ import sys
 from distserve import redis_client
 from distserve.config import parse_config
 from distserve.grpc_server import Service, run_grpc_server
+from distserve.peer_roles import BROKER_CALLERS
 from distserve.logs import setup_logging
 from distserve.metrics import BrokerMetrics, serve_metrics
 from distserve.tracing import init_tracing, shutdown_tracing
@@ -25,7 +26,7 @@ async def serve(config: KvBrokerConfig) -> None:
     service = Service(kvbroker_pb2_grpc.add_KvBrokerServiceServicer_to_server, servicer,
                       "distserve.v1.KvBrokerService")
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service], tls=config)
+        await run_grpc_server(f"{config.host}:{config.port}", [service], tls=config, peer_roles=BROKER_CALLERS)
     finally:
         await redis.aclose()
         shutdown_tracing()
