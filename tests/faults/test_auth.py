@@ -17,9 +17,10 @@ import pytest
 
 from distserve.cli import main
 from distserve.client import Completion, DistServeError, DistServeSyncClient
-from distserve.dev_certs import make_ca, make_dev_certs, make_signed_cert
-from distserve.grpc_server import PLAINTEXT, TlsConfig
+from distserve.dev_certs import make_ca, make_dev_certs, make_signed_cert, role_tls
+from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
 from distserve.launcher import ClusterSpec
+from distserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, running_cluster
 
 API_KEY = "sk-auth-test"
@@ -123,3 +124,19 @@ def test_the_gateway_serves_with_the_api_key_over_mutual_tls_to_the_router(secur
 def test_the_api_key_is_not_on_any_command_line(secure_cluster):
     for process in secure_cluster.processes.values():
         assert API_KEY not in " ".join(map(str, process.popen.args))
+
+
+def test_a_worker_answers_the_router_and_the_operator_only(secure_cluster, certs):
+    """Every child presents its role's certificate (the system above only works if the router's reaches the
+    workers and the workers' reach the kvbroker); a certificate of another role is refused by a worker."""
+    decode_address = secure_cluster.processes["decode-0"].address
+    for role in ("gateway", "prefill"):
+        with blocking_channel(decode_address, role_tls(certs, role)) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(decode_pb2.DecodeRequest(), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert f"role {role} may not call" in refused.value.details()
+    with blocking_channel(decode_address, certs) as channel:  # the operator's: past the role check
+        with pytest.raises(grpc.RpcError) as invalid:
+            list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(decode_pb2.DecodeRequest(), timeout=10))
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
