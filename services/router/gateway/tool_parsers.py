@@ -123,16 +123,13 @@ def partial_marker_at_end(text: str, marker: str) -> int:
     return 0
 
 
-class HermesParser(ToolCallParser):
-    """`<tool_call>` JSON `</tool_call>`, repeated, with content anywhere around."""
-
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+class MarkedCallsParser(ToolCallParser):
+    """Base of the parsers that read calls out of running text: `_held` is the text not yet classified, and
+    `_advance` classifies some of it, returning (whether it got anywhere, the content it let out)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._held = ""  # text not yet classified
-        self._in_call: CallScanner | None = None
-        self._expect_close = False
+        self._held = ""
 
     def feed(self, text: str) -> Parsed:
         self._held += text
@@ -144,6 +141,20 @@ class HermesParser(ToolCallParser):
                 break
         out.calls = self._deltas()
         return out
+
+    def _advance(self) -> tuple[bool, Parsed]:
+        raise NotImplementedError
+
+
+class HermesParser(MarkedCallsParser):
+    """`<tool_call>` JSON `</tool_call>`, repeated, with content anywhere around."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_call: CallScanner | None = None
+        self._expect_close = False
 
     def finish(self) -> Parsed:
         held, self._held = self._held, ""
@@ -200,7 +211,7 @@ class HermesParser(ToolCallParser):
         return "" if self._scanners and not text.strip() else text
 
 
-class JsonCallsParser(ToolCallParser):
+class JsonCallsParser(MarkedCallsParser):
     """Calls written as bare JSON objects at the start of the answer, with `separator` between them
     (`;` for llama3_json, `,` inside the brackets of an array). Content when the answer does not start
     with one (after `prefix`, when given, and whitespace)."""
@@ -208,21 +219,9 @@ class JsonCallsParser(ToolCallParser):
     def __init__(self, opener: str = "{", separator: str = ";", closer: str = "", prefix: str = "") -> None:
         super().__init__()
         self._opener, self._separator, self._closer, self._prefix = opener, separator, closer, prefix
-        self._held = ""
         self._state = "start"  # start -> calls (in_call / between) -> content
         self._in_call: CallScanner | None = None
         self._unclaimed = ""  # an opener bracket read before any call began
-
-    def feed(self, text: str) -> Parsed:
-        self._held += text
-        out = Parsed()
-        while self._held:
-            progressed, piece = self._advance()
-            out += piece
-            if not progressed:
-                break
-        out.calls = self._deltas()
-        return out
 
     def finish(self) -> Parsed:
         held, self._held = self._held, ""
@@ -319,7 +318,7 @@ class NamedCall(ToolCallParser):
     def __init__(self, name: str) -> None:
         super().__init__()
         scanner = self._open_call()
-        scanner.feed('{"name": ' + _json_string(name) + ', "arguments": ')
+        scanner.feed('{"name": ' + json.dumps(name) + ', "arguments": ')
 
     def feed(self, text: str) -> Parsed:
         self._scanners[0].feed(text)
@@ -328,10 +327,6 @@ class NamedCall(ToolCallParser):
     def finish(self) -> Parsed:
         self._scanners[0].end_value()
         return Parsed(calls=self._deltas())
-
-
-def _json_string(text: str) -> str:
-    return json.dumps(text)
 
 
 PARSERS = {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral}
