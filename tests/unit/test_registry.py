@@ -6,7 +6,9 @@ import asyncio
 import time
 
 import redis.asyncio as aioredis
+import torch
 
+from distserve.engine.compute_thread import ComputeThread
 from distserve.record_signing import RecordSigner
 from distserve.registry import MAC_FIELD, WorkerRecord, WorkerRegistry, heartbeat, index_key, worker_key
 
@@ -214,3 +216,31 @@ async def test_a_reader_without_a_key_lists_signed_and_unsigned_records_as_befor
     assert sorted(w.worker_id for w in await unsigned_reader.list("prefill")) == ["p0", "p1"]
     signed_reader = WorkerRegistry(redis_client, lease_s=30, signer=RecordSigner(KEY))
     assert [w.worker_id for w in await signed_reader.list("prefill")] == ["p0"]
+
+
+async def test_a_long_forward_on_the_compute_thread_does_not_stop_the_heartbeat(redis_client):
+    """A legitimately long forward (4 s here: torch matmuls on the engine's one compute thread) is not a stall:
+    heartbeats come from the event loop, which the forward leaves free, so the 1 s lease never lapses."""
+    lease_s = 1.0
+    registry = WorkerRegistry(redis_client, lease_s=lease_s)
+    compute = ComputeThread("test-forward")
+
+    def long_forward() -> float:
+        a = torch.randn(384, 384)
+        started = time.monotonic()
+        while time.monotonic() - started < 4.0:
+            a = torch.tanh(a @ a)
+        return time.monotonic() - started
+
+    beat = asyncio.create_task(heartbeat(registry, lambda: record("p0"), interval_s=0.25))
+    forward = asyncio.ensure_future(compute.run(long_forward))
+    listed_throughout = []
+    try:
+        while not forward.done():
+            await asyncio.sleep(0.2)
+            listed_throughout.append(len(await registry.list("prefill")) == 1)
+        assert await forward >= 4.0
+        assert len(listed_throughout) >= 10 and all(listed_throughout)
+    finally:
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
