@@ -30,20 +30,28 @@ DECODE_TEST_ARGS = ["--kv-cache-mb", "64", "--lease-s", str(WORKER_LEASE_S), "--
 def wait_for_workers(cluster: Cluster, num_prefill: int, num_decode: int, timeout_s: float = 30,
                      num_colocated: int = 0) -> None:
     """Waits until the registry lists the workers and the router has had time to read it."""
-    client = redis.Redis.from_url(cluster.redis_url)
+    wait_for_registry(cluster.redis_url, {"prefill": num_prefill, "decode": num_decode, "colocated": num_colocated},
+                      timeout_s)
+
+
+def wait_for_registry(redis_url: str, wanted: dict[str, int], timeout_s: float,
+                      still_alive: Callable[[], None] = lambda: None) -> None:
+    """Until the registry lists `wanted` workers per role, and a router has had time to read it; calls
+    still_alive between looks (it raises to give up early, e.g. when a process died)."""
+    client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
-    wanted = [num_prefill, num_decode, num_colocated]
     counts = None
     while time.monotonic() < deadline:
         try:
-            counts = [len(client.keys(f"distserve:worker:{role}:*")) for role in ("prefill", "decode", "colocated")]
+            counts = {role: len(client.keys(f"distserve:worker:{role}:*")) for role in wanted}
         except redis.ConnectionError:
             counts = None  # Redis restarting
         if counts == wanted:
             time.sleep(1.0)  # router refresh interval is 0.5 s
             return
+        still_alive()
         time.sleep(0.1)
-    raise AssertionError(f"registry never showed {wanted} prefill / decode / colocated workers (last: {counts})")
+    raise AssertionError(f"the registry never listed {wanted} (last: {counts})")
 
 
 def prefill_with_secret(cluster: Cluster, name: str, prompt: list[int], secret: str) -> prefill_pb2.PrefillResponse:

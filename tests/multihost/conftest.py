@@ -22,7 +22,7 @@ import redis
 from distserve.dev_certs import SERVER_NAME, make_dev_certs
 from distserve.grpc_server import TlsConfig
 from distserve.launcher import find_redis_server
-from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS
+from tests.cluster_helpers import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, wait_for_registry
 from tests.multihost.netns import Host, Testbed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,17 +96,7 @@ def fleet(tiny_model_path, tmp_path_factory):
 
 def wait_registered(fleet: Fleet, wanted: dict[str, int], timeout_s: float = 120) -> None:
     """Until the registry lists `wanted` workers per role, and the router has had time to read it."""
-    client = redis.Redis.from_url(fleet.redis_url)
-    deadline = time.monotonic() + timeout_s
-    counts = None
-    while time.monotonic() < deadline:
-        counts = {role: len(client.keys(f"distserve:worker:{role}:*")) for role in wanted}
-        if counts == wanted:
-            time.sleep(1.0)  # the router reads the registry every 0.5 s
-            return
-        _check_alive(fleet)
-        time.sleep(0.2)
-    raise AssertionError(f"the registry never listed {wanted} (last: {counts})")
+    wait_for_registry(fleet.redis_url, wanted, timeout_s, still_alive=lambda: _check_alive(fleet))
 
 
 def _environment(model: str, tls: TlsConfig, control: Host) -> dict[str, str]:
