@@ -249,8 +249,7 @@ def _status(args) -> int:
     except FileNotFoundError:
         print(f"error: no running `distserve up` found ({args.state_file} does not exist)", file=sys.stderr)
         return 1
-    redis_url = os.environ.get("DISTSERVE_REDIS_URL") or state["redis_url"]
-    print(render(asyncio.run(collect(state, redis_url))))
+    print(render(asyncio.run(collect(state, cluster_state.redis_url(state)))))
     return 0
 
 

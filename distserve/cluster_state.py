@@ -4,7 +4,9 @@ The launcher rewrites it (atomically, mode 0600) after start and after every
 supervision event, and removes it on stop. `distserve status` reads it to find
 the system: by default `~/.cache/distserve/up.json`, or DISTSERVE_STATE_FILE,
 or `--state-file`. URLs in it are redacted (distserve.redact): a Redis
-password is never written; `distserve status` then needs DISTSERVE_REDIS_URL.
+password is never written. For the Redis `up` starts, it names `redis.url` in the log folder (mode
+0600), which holds the launcher's URL; for one given by `--redis-url`, `distserve status` needs
+DISTSERVE_REDIS_URL.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ def describe(cluster: "Cluster") -> dict:
     return {"launcher_pid": os.getpid(), "redis_url": redact_url(cluster.redis_url),
             "gateway_url": cluster.gateway_url, "log_dir": str(cluster.log_dir), "children": children,
             "tls": cluster.spec.tls.tls_env(),  # file paths (never their contents), for status's health checks
-            "registry_key_file": cluster.registry_key_file}  # for status's read of the registry
+            "registry_key_file": cluster.registry_key_file,  # for status's read of the registry
+            # the launcher's Redis URL with its password, in a file of mode 0600 ("": given by the user)
+            "redis_url_file": str(cluster.redis_url_file) if cluster.redis_passwords else ""}
 
 
 def write(path: Path, cluster: "Cluster") -> None:
@@ -43,6 +47,20 @@ def write(path: Path, cluster: "Cluster") -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(describe(cluster), f, indent=1)
     os.replace(temporary, path)
+
+
+def redis_url(state: dict) -> str:
+    """The Redis URL `distserve status` uses: DISTSERVE_REDIS_URL, else the launcher's from its 0600 file,
+    else the state's (redacted: it works only without a password)."""
+    explicit, url_file = os.environ.get("DISTSERVE_REDIS_URL"), state.get("redis_url_file")
+    if explicit:
+        return explicit
+    if url_file:
+        try:
+            return Path(url_file).read_text().strip()
+        except OSError:
+            pass
+    return state["redis_url"]
 
 
 def read(path: Path) -> dict:

@@ -11,6 +11,8 @@ pinned: they inherit the launcher's affinity and do little compute.
 
 Start order: Redis, then the kvbroker (its address goes to the workers), then
 the workers and the router, then the gateway (it needs the router's address).
+The Redis it starts has a user per role with a fresh password each (distserve.redis_acl); each child
+gets its role's URL through DISTSERVE_REDIS_URL (never argv), the launcher keeps the admin user's.
 A child whose automatically chosen port was taken before it could bind is
 started again on fresh ports (see distserve.ports). With `supervise`, a
 distserve.supervisor.Supervisor restarts any child that dies, on the same
@@ -55,6 +57,7 @@ from distserve.grpc_server import PLAINTEXT, TlsConfig, blocking_channel
 from distserve.metrics import LauncherMetrics
 from distserve.control_placement import ControlPlacement
 from distserve.record_signing import KEY_ENV, KEY_FILE_ENV, RecordSigner, load_key, write_key_file
+from distserve import redis_acl
 from distserve.cpus import format_cpu_list, lower_priority, parse_cpu_list, split_cores
 from distserve.dev_certs import role_tls
 from distserve.engine import cpu_kernels
@@ -214,15 +217,29 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
     return split
 
 
-def _redis_pongs(port: int) -> bool:
-    """Whether the Redis on this machine's `port` answers PING with PONG within 1 s."""
+def _redis_pongs(port: int, user: str = "", password: str = "") -> bool:
+    """Whether the Redis on this machine's `port` answers PING with PONG within 1 s, after AUTH as `user`
+    when given."""
+    commands = ([[b"AUTH", user.encode(), password.encode()]] if user else []) + [[b"PING"]]
+    expected = (b"+OK\r\n" if user else b"") + b"+PONG"
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
             sock.settimeout(1)
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            sock.sendall(b"".join(map(_resp_command, commands)))
+            reply = b""
+            while len(reply) < len(expected) and not reply.startswith(b"-"):
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
+            return reply.startswith(expected)
     except OSError:
         return False
+
+
+def _resp_command(words: list[bytes]) -> bytes:
+    """A command in Redis's protocol (an array of bulk strings)."""
+    return b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
 
 
 def router_name(index: int) -> str:
@@ -291,7 +308,8 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, ManagedProcess] = {}
         self.registry_key_env = self._registry_key_env()
-        self.redis_url = spec.redis_url
+        self.redis_url = spec.redis_url  # the launcher's own: the user's, or its admin user's on the Redis it starts
+        self.redis_passwords: dict[str, str] = {}  # role -> password, when it starts Redis (distserve.redis_acl)
         self.gateway_url = ""
         self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
         self.control_cpus = plan_control_cpus(spec, self.worker_cpus)  # the other children's cores, or None
@@ -389,12 +407,35 @@ class Cluster:
         return bool(self.worker_cpus) and on_cpu and cpu_kernels.enabled(env)
 
     def _start_redis(self, timeout_s: float) -> None:
-        port = self._port(self.spec.redis_port)
-        redis = self._spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+        """Starts redis-server on loopback with a user per role (distserve.redis_acl): fresh passwords, an
+        ACL file (0600) in the log folder."""
+        port, server = self._port(self.spec.redis_port), find_redis_server()
+        self.redis_passwords = redis_acl.make_passwords()
+        acl_file = redis_acl.write_private(self.log_dir.resolve() / "redis.acl", redis_acl.acl_text(
+            self.redis_passwords, self.spec.spill, redis_acl.server_has_read_only_keys(server)))
+        redis = self._spawn("redis", [server, "--port", str(port), "--bind", "127.0.0.1", "--aclfile", str(acl_file),
                                       "--save", "", "--appendonly", "no"])
         redis.auto_ports = not self.spec.redis_port
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self._use_redis_port(port)
         self._wait_redis(timeout_s)
+
+    def _use_redis_port(self, port: int) -> None:
+        """Points the launcher's URL (its admin user's) at the Redis it started on `port`; the file
+        `redis.url` (0600, in the log folder, named by the state file) holds it for `distserve status`."""
+        self.redis_url = self.redis_url_for(redis_acl.ADMIN, port)
+        redis_acl.write_private(self.redis_url_file, self.redis_url + "\n")
+
+    @property
+    def redis_url_file(self) -> Path:
+        return self.log_dir.resolve() / "redis.url"
+
+    def redis_url_for(self, role: str, port: int | None = None) -> str:
+        """The URL a child of `role` (redis_acl.ROLES) gets: its own user's on the Redis this launcher
+        started, else the one it was given (spec.redis_url)."""
+        if not self.redis_passwords:
+            return self.redis_url
+        argv = self.processes["redis"].argv
+        return redis_acl.role_url(role, self.redis_passwords[role], port or int(argv[argv.index("--port") + 1]))
 
     def _start_workers(self) -> list[ManagedProcess]:
         spec, workers = self.spec, []
@@ -417,7 +458,7 @@ class Cluster:
 
     def _start_gateway(self, timeout_s: float) -> None:
         port = self._port(self.spec.gateway_port)
-        env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url,
+        env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url_for("gateway"),
                "DISTSERVE_ROUTER_ADDRESS": ",".join(self.router_addresses), "OTEL_SERVICE_NAME": "distserve-gateway"}
         process = self._spawn("gateway", [sys.executable, "-m", "services.router.gateway", "--port", str(port),
                                           *self.spec.gateway_args], env)
@@ -456,7 +497,8 @@ class Cluster:
         port = address.rpartition(":")[2]
         metrics_port = metrics_port or free_port()
         role = module.rpartition(".")[2]
-        env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url,
+        redis_url = self.redis_url_for(redis_acl.role_of_module(module))
+        env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": redis_url,
                "OTEL_SERVICE_NAME": f"distserve-{role}", **role_tls(self.spec.tls, role).tls_env()}
         if "kvbroker" in self.processes:
             env["DISTSERVE_BROKER_ADDRESS"] = self.processes["kvbroker"].address
@@ -514,7 +556,7 @@ class Cluster:
             process.address = f"127.0.0.1:{port}"
             process.metrics_url = f"http://127.0.0.1:{process.argv[process.argv.index('--metrics-port') + 1]}/metrics"
         elif process.name == "redis":
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self._use_redis_port(int(port))
         elif process.name == "gateway":
             self.gateway_url = f"http://127.0.0.1:{port}"
         process.popen = _popen(process, "wb")
@@ -525,11 +567,16 @@ class Cluster:
         while time.monotonic() < deadline:
             self._ensure_running(process)
             port = int(process.argv[process.argv.index("--port") + 1])
-            if _redis_pongs(port):
+            if _redis_pongs(port, *self._redis_admin()):
                 self.report.ready("redis", f"127.0.0.1:{port}")
                 return
             time.sleep(0.1)
         raise self._report_failure(process, f"not answering PING within {timeout_s:.0f} s")
+
+    def _redis_admin(self) -> tuple[str, str]:
+        """The user and password the launcher's health PING authenticates with (none: Redis has no users)."""
+        password = self.redis_passwords.get(redis_acl.ADMIN, "")
+        return (redis_acl.ADMIN, password) if password else ("", "")
 
     def wait_healthy(self, process: ManagedProcess, timeout_s: float) -> None:
         """Waits until the child's gRPC health check says SERVING (it may move ports meanwhile)."""
@@ -563,7 +610,7 @@ class Cluster:
             return True
         port = int(process.argv[process.argv.index("--port") + 1]) if "--port" in process.argv else 0
         if process.name == "redis" and port:
-            return _redis_pongs(port)
+            return _redis_pongs(port, *self._redis_admin())
         if process.name == "gateway" and self.gateway_url:
             try:
                 with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=1):

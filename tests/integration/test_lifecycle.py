@@ -7,6 +7,7 @@ import struct
 import subprocess
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import grpc
@@ -174,7 +175,7 @@ def test_a_fixed_port_held_by_a_connection_is_waited_for(tiny_model_path, tmp_pa
     cluster = Cluster(_control_plane_only(tiny_model_path, tmp_path, port))
     try:
         cluster.start(timeout_s=60)
-        assert cluster.redis_url == f"redis://127.0.0.1:{port}/0"
+        assert urllib.parse.urlsplit(cluster.redis_url).port == port
         assert cluster.processes["redis"].port_waits >= 1
         assert redis.Redis.from_url(cluster.redis_url).ping()
     finally:
