@@ -16,6 +16,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
+REDIS_PASSWORD = "compose-test-redis"
 PUBLISHED = {"gateway": {8000}, "jaeger": {16686}, "grafana": {3000}}
 # The module each service runs -> (its config class, the config field holding its metrics port).
 METRICS_PORT = {"services.router": ("services.router.config:RouterConfig", "metrics_port"),
@@ -42,13 +43,15 @@ def services() -> dict:
     """The services of `docker-compose config` (with the colocated profile): what compose would run."""
     reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "--profile", "colocated", "config"],
                            capture_output=True, text=True, timeout=120,
-                           env={**_without_publish_settings(), "GRAFANA_ADMIN_PASSWORD": "compose-test"})
+                           env={**_without_publish_settings(), "GRAFANA_ADMIN_PASSWORD": "compose-test",
+                                "DISTSERVE_REDIS_PASSWORD": REDIS_PASSWORD})
     assert reply.returncode == 0, reply.stderr
     return yaml.safe_load(reply.stdout)["services"]
 
 
 def _without_publish_settings() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("DISTSERVE_PUBLISH_ADDR", "GRAFANA_ADMIN_PASSWORD")}
+    return {k: v for k, v in os.environ.items()
+            if k not in ("DISTSERVE_PUBLISH_ADDR", "GRAFANA_ADMIN_PASSWORD", "DISTSERVE_REDIS_PASSWORD")}
 
 
 def test_published_ports_bind_the_hosts_loopback_unless_told(services):
@@ -59,9 +62,27 @@ def test_published_ports_bind_the_hosts_loopback_unless_told(services):
 
 
 def test_grafana_has_no_default_password():
-    reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True,
-                           text=True, timeout=120, env=_without_publish_settings())
+    reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
+                           timeout=120, env={**_without_publish_settings(), "DISTSERVE_REDIS_PASSWORD": REDIS_PASSWORD})
     assert reply.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in reply.stderr
+
+
+def test_redis_has_no_default_password():
+    reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
+                           timeout=120, env={**_without_publish_settings(), "GRAFANA_ADMIN_PASSWORD": "compose-test"})
+    assert reply.returncode != 0 and "DISTSERVE_REDIS_PASSWORD" in reply.stderr
+
+
+def test_redis_requires_the_password_and_every_service_presents_it(services):
+    redis_service = services["redis"]
+    assert redis_service["environment"]["DISTSERVE_REDIS_PASSWORD"] == REDIS_PASSWORD
+    # given on redis-server's stdin, never its command line (`ps`); the healthcheck authenticates
+    assert "requirepass $$DISTSERVE_REDIS_PASSWORD" in redis_service["command"][-1]
+    assert REDIS_PASSWORD not in " ".join(redis_service["command"])
+    assert "REDISCLI_AUTH" in " ".join(redis_service["healthcheck"]["test"])
+    for name, service in services.items():
+        if str(service.get("image", "")).startswith("distserve"):
+            assert service["environment"]["DISTSERVE_REDIS_URL"] == f"redis://:{REDIS_PASSWORD}@redis:6379/0", name
 
 
 def _published_ports(service: dict) -> set[int]:

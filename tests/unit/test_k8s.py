@@ -114,3 +114,18 @@ def test_the_gpu_overlay_gives_each_worker_one_gpu():
         assert main["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert {"name": "DISTSERVE_DEVICE", "value": "cuda"} in main["env"]
     assert "nvidia.com/gpu" not in str(container(deployments["router"]))
+
+
+def test_redis_requires_the_secret_password_and_every_service_presents_it(objects):
+    deployments = of_kind(objects, "Deployment")
+    redis = container(deployments["redis"])
+    password = {e["name"]: e for e in redis["env"]}["REDIS_PASSWORD"]
+    assert password["valueFrom"]["secretKeyRef"] == {"name": "distserve-redis", "key": "password"}
+    # on redis-server's stdin, never on a command line (`ps`); the probes authenticate through the environment
+    assert "requirepass $REDIS_PASSWORD" in redis["command"][-1] and "args" not in redis
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "REDISCLI_AUTH=" in redis[probe]["exec"]["command"][-1]
+    for name, deployment in deployments.items():
+        if name != "redis":
+            env = {e["name"]: e.get("value", "") for e in container(deployment).get("env", [])}
+            assert env["DISTSERVE_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0", name
