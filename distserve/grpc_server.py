@@ -143,6 +143,7 @@ class Service:
     add: Callable[[Any, grpc.aio.Server], None]
     servicer: Any
     full_name: str  # e.g. "distserve.v1.RouterService", for health and reflection
+    on_stop: Callable[[], None] | None = None  # when the server stops taking calls (e.g. end long-lived streams)
 
 
 async def run_grpc_server(
@@ -201,6 +202,9 @@ async def run_grpc_server(
         await on_shutdown()
     if drain_s > 0:
         await asyncio.sleep(drain_s)
+    for service in services:
+        if service.on_stop is not None:
+            service.on_stop()
     await server.stop(grace_s)
     log.info("stopped")
 

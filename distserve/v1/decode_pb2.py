@@ -23,23 +23,24 @@ _sym_db = _symbol_database.Default()
 
 
 from distserve.v1 import common_pb2 as distserve_dot_v1_dot_common__pb2
+from distserve.v1 import mux_pb2 as distserve_dot_v1_dot_mux__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64istserve/v1/decode.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\"\xf7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_handle_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x11\n\tkv_secret\x18\x07 \x01(\t\x12-\n\x06starts\x18\x08 \x03(\x0b\x32\x1d.distserve.v1.CompletionStart\"\xbc\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.distserve.v1.Timings\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\r\n\x05index\x18\x05 \x01(\x05\"\x17\n\x15GetDecodeStatsRequest\"\xd7\x01\n\x16GetDecodeStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11kv_bytes_received\x18\x02 \x01(\x03\x12\x1d\n\x15kv_transfers_received\x18\x03 \x01(\x03\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x13\n\x0bmax_running\x18\x08 \x01(\x03\x32\xb3\x01\n\rDecodeService\x12\x45\n\x06\x44\x65\x63ode\x12\x1b.distserve.v1.DecodeRequest\x1a\x1c.distserve.v1.DecodeResponse0\x01\x12[\n\x0eGetDecodeStats\x12#.distserve.v1.GetDecodeStatsRequest\x1a$.distserve.v1.GetDecodeStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64istserve/v1/decode.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\x1a\x16\x64istserve/v1/mux.proto\"\xf7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_handle_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x11\n\tkv_secret\x18\x07 \x01(\t\x12-\n\x06starts\x18\x08 \x03(\x0b\x32\x1d.distserve.v1.CompletionStart\"\xbc\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.distserve.v1.Timings\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\r\n\x05index\x18\x05 \x01(\x05\"\x17\n\x15GetDecodeStatsRequest\"\xd7\x01\n\x16GetDecodeStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11kv_bytes_received\x18\x02 \x01(\x03\x12\x1d\n\x15kv_transfers_received\x18\x03 \x01(\x03\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\x05\x12\x13\n\x0bmax_running\x18\x08 \x01(\x03\x32\xf4\x01\n\rDecodeService\x12\x45\n\x06\x44\x65\x63ode\x12\x1b.distserve.v1.DecodeRequest\x1a\x1c.distserve.v1.DecodeResponse0\x01\x12?\n\tDecodeMux\x12\x16.distserve.v1.MuxBatch\x1a\x16.distserve.v1.MuxBatch(\x01\x30\x01\x12[\n\x0eGetDecodeStats\x12#.distserve.v1.GetDecodeStatsRequest\x1a$.distserve.v1.GetDecodeStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserve.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEREQUEST']._serialized_start=71
-  _globals['_DECODEREQUEST']._serialized_end=318
-  _globals['_DECODERESPONSE']._serialized_start=321
-  _globals['_DECODERESPONSE']._serialized_end=509
-  _globals['_GETDECODESTATSREQUEST']._serialized_start=511
-  _globals['_GETDECODESTATSREQUEST']._serialized_end=534
-  _globals['_GETDECODESTATSRESPONSE']._serialized_start=537
-  _globals['_GETDECODESTATSRESPONSE']._serialized_end=752
-  _globals['_DECODESERVICE']._serialized_start=755
-  _globals['_DECODESERVICE']._serialized_end=934
+  _globals['_DECODEREQUEST']._serialized_start=95
+  _globals['_DECODEREQUEST']._serialized_end=342
+  _globals['_DECODERESPONSE']._serialized_start=345
+  _globals['_DECODERESPONSE']._serialized_end=533
+  _globals['_GETDECODESTATSREQUEST']._serialized_start=535
+  _globals['_GETDECODESTATSREQUEST']._serialized_end=558
+  _globals['_GETDECODESTATSRESPONSE']._serialized_start=561
+  _globals['_GETDECODESTATSRESPONSE']._serialized_end=776
+  _globals['_DECODESERVICE']._serialized_start=779
+  _globals['_DECODESERVICE']._serialized_end=1023
 # @@protoc_insertion_point(module_scope)

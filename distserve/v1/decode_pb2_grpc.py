@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from distserve.v1 import decode_pb2 as distserve_dot_v1_dot_decode__pb2
+from distserve.v1 import mux_pb2 as distserve_dot_v1_dot_mux__pb2
 
 GRPC_GENERATED_VERSION = '1.85.0'
 GRPC_VERSION = grpc.__version__
@@ -39,6 +40,11 @@ class DecodeServiceStub:
                 request_serializer=distserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=distserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeMux = channel.stream_stream(
+                '/distserve.v1.DecodeService/DecodeMux',
+                request_serializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
+                response_deserializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
+                _registered_method=True)
         self.GetDecodeStats = channel.unary_unary(
                 '/distserve.v1.DecodeService/GetDecodeStats',
                 request_serializer=distserve_dot_v1_dot_decode__pb2.GetDecodeStatsRequest.SerializeToString,
@@ -57,6 +63,15 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeMux(self, request_iterator, context):
+        """Decode calls multiplexed (mux.proto): each open frame is a DecodeRequest, each message frame a
+        DecodeResponse of that call, with the same errors as Decode's in its end frame. One session per
+        router carries all its requests to this worker, each step's tokens in one batch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetDecodeStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -70,6 +85,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=distserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=distserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMux,
+                    request_deserializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
+                    response_serializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
             ),
             'GetDecodeStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDecodeStats,
@@ -104,6 +124,33 @@ class DecodeService:
             '/distserve.v1.DecodeService/Decode',
             distserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             distserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/distserve.v1.DecodeService/DecodeMux',
+            distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
+            distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -94,7 +94,8 @@ async def serve(config: DecodeConfig) -> None:
         return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load,
                             spec.kv_format(config.dtype))
 
-    services = [Service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "distserve.v1.DecodeService")]
+    services = [Service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer, "distserve.v1.DecodeService",
+                        on_stop=servicer.drain_sessions)]
     records, loop = [record], engine.run
     if config.also_colocated:  # a prefill half over the same runner; one loop drives both halves
         colocated_config = ColocatedConfig(

@@ -15,6 +15,7 @@ from distserve.convert import finish_to_proto, logprobs_to_proto, sampling_from_
 from distserve.request_types import completion_params
 from distserve.engine.dtype import torch_dtype
 from distserve.model_spec import ModelSpec
+from distserve.mux import MuxServer
 from distserve.metrics import DecodeMetrics
 from distserve.transfer.connector import KvConsumer, TransferError
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
@@ -119,6 +120,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self._receiver = receiver
         self._broker = broker
         self._metrics = metrics
+        self._mux = MuxServer(self.Decode, decode_pb2.DecodeRequest)
+
+    def drain_sessions(self) -> None:
+        """The server stops taking calls: multiplexed sessions end with their last call (distserve.mux)."""
+        self._mux.drain()
+
+    async def DecodeMux(self, request_iterator, context):
+        """Decode calls multiplexed over one stream per router (distserve.mux): the same calls, errors
+        included, with each engine step's tokens for all of that router's requests in one message."""
+        async for batch in self._mux.serve(request_iterator, context):
+            yield batch
 
     async def Decode(self, request, context):
         rid = request.request_id

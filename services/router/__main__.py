@@ -57,6 +57,7 @@ async def serve(config: RouterConfig) -> None:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+        await servicer.close()
         await channels.close()
         await grammars.close()
         await redis.aclose()

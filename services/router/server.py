@@ -18,6 +18,7 @@ from distserve.convert import finish_from_proto, sampling_to_proto
 from distserve.model_spec import ModelSpec
 from distserve.request_types import SamplingParams
 from distserve.grpc_server import ChannelPool
+from distserve.mux import MuxClient
 from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
 from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
@@ -42,6 +43,25 @@ def _trace_failure(code: grpc.StatusCode, details: str) -> None:
     trace.get_current_span().set_attributes({"distserve.error.code": code.name, "distserve.error.message": details})
 
 
+class DecodeSessions:
+    """One multiplexed session (distserve.mux) per decode worker address, over the pool's channel to it."""
+
+    def __init__(self):
+        self._clients: dict[str, tuple[grpc.aio.Channel, MuxClient]] = {}
+
+    def client(self, address: str, channel: grpc.aio.Channel) -> MuxClient:
+        known = self._clients.get(address)
+        if known is None or known[0] is not channel:
+            known = self._clients[address] = (channel, MuxClient(decode_pb2_grpc.DecodeServiceStub(channel).DecodeMux,
+                                                                 decode_pb2.DecodeResponse))
+        return known[1]
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for _, client in clients:
+            await client.close()
+
+
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, config: RouterConfig, tokenizer, spec: ModelSpec, picker: WorkerPicker,
                  channels: ChannelPool, grammars: GrammarChecker, model_name: str, metrics: RouterMetrics):
@@ -54,6 +74,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._metrics = metrics
         self._broker = BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s)
         self._grammars = grammars
+        self._decode_sessions = DecodeSessions()
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -428,12 +449,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _decode(self, req: RequestState, first, worker: WorkerRecord, secret: str):
         """Streams the decode worker's tokens; raises StageFailed if the worker fails."""
-        stub = decode_pb2_grpc.DecodeServiceStub(await self._connected(worker, "decode"))
-        call = stub.Decode(decode_pb2.DecodeRequest(
+        channel = await self._connected(worker, "decode")
+        request = decode_pb2.DecodeRequest(
             request_id=req.request_id, kv_handle_id=first.kv_handle_id, prompt_token_ids=req.prompt,
             first_token_id=first.first_token_id, sampling=sampling_to_proto(req.params),
-            output_token_ids=req.outputs, kv_secret=secret, starts=first.starts,
-        ), timeout=self._config.request_timeout_s)
+            output_token_ids=req.outputs, kv_secret=secret, starts=first.starts)
+        if self._config.decode_mux:
+            call = self._decode_sessions.client(worker.address, channel).call(
+                request, tracing.inject_headers({}), timeout=self._config.request_timeout_s)
+        else:
+            call = decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=self._config.request_timeout_s)
         try:
             while (response := await self._next_message(call, worker)) is not grpc.aio.EOF:
                 if req.completions[response.index].finish is not None:
@@ -483,6 +508,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         details = f"{failure.stage} worker {worker.worker_id}: {failure.details}"
         _trace_failure(code, details)
         await context.abort(code, details)
+
+    async def close(self) -> None:
+        await self._decode_sessions.close()
 
     async def Tokenize(self, request, context):
         """The router's tokenizer on a text, as it tokenizes text prompts; INVALID_ARGUMENT names a bad field."""
