@@ -132,9 +132,10 @@ class _ServerSession:
             await asyncio.sleep(0)  # the other calls woken by the same engine step add theirs first
             frames, self._outbox = self._outbox, []
             self._ready.clear()
-            self._server.num_batches += 1
-            self._server.num_frames += len(frames)
-            yield mux_pb2.MuxBatch(frames=frames)
+            for batch in split_batches(frames):
+                self._server.num_batches += 1
+                self._server.num_frames += len(batch.frames)
+                yield batch
 
     async def _run(self, stream_id: int, request, metadata: dict[str, str]) -> None:
         status = mux_pb2.MuxStatus(code=grpc.StatusCode.OK.value[0])
@@ -169,6 +170,25 @@ class _ServerSession:
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# A batch stops growing at this size, so that many large frames (long prompts opening at once, a first
+# message with a prompt's logprobs) never make one message past the peer's receive cap; a larger frame
+# travels alone.
+MAX_BATCH_BYTES = 1 << 20
+
+
+def split_batches(frames: list[mux_pb2.MuxFrame]) -> list[mux_pb2.MuxBatch]:
+    """frames in order, as batches of at most MAX_BATCH_BYTES (each at least one frame)."""
+    batches, current, size = [], [], 0
+    for frame in frames:
+        frame_size = frame.ByteSize()
+        if current and size + frame_size > MAX_BATCH_BYTES:
+            batches.append(mux_pb2.MuxBatch(frames=current))
+            current, size = [], 0
+        current.append(frame)
+        size += frame_size
+    if current:
+        batches.append(mux_pb2.MuxBatch(frames=current))
+    return batches
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -210,6 +230,15 @@ class MuxCall:
         if code != grpc.StatusCode.OK:
             raise _rpc_error(code, frame.end.details)
         return grpc.aio.EOF
+
+    async def code(self) -> grpc.StatusCode:
+        """Waits for the call's end and returns its status code (responses not read yet are dropped)."""
+        try:
+            while await self.read() is not grpc.aio.EOF:
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
 
     def cancel(self) -> bool:
         """Leaves the call: the server stops it. False when it had ended already."""
@@ -261,7 +290,8 @@ class _ClientSession:
         try:
             while self._pending and self.broken is None:
                 frames, self._pending = self._pending, []
-                await self._stream.write(mux_pb2.MuxBatch(frames=frames))
+                for batch in split_batches(frames):
+                    await self._stream.write(batch)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             self._fail(exc if isinstance(exc, grpc.aio.AioRpcError)
                        else _rpc_error(grpc.StatusCode.UNAVAILABLE, f"mux session closed: {exc}"))
@@ -310,6 +340,12 @@ class MuxClient:
         self._open_session = open_session
         self._response_type = response_type
         self._session: _ClientSession | None = None
+
+    @staticmethod
+    def fits(request) -> bool:
+        """Whether request travels in a session: a larger one (a prompt of megabytes) goes as a call of its
+        own, where the server's message cap answers it alone instead of breaking the session for all."""
+        return request.ByteSize() <= MAX_BATCH_BYTES // 2
 
     def call(self, request, metadata: dict[str, str] | None = None, timeout: float | None = None) -> MuxCall:
         if self._session is None:

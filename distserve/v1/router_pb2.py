@@ -23,29 +23,30 @@ _sym_db = _symbol_database.Default()
 
 
 from distserve.v1 import common_pb2 as distserve_dot_v1_dot_common__pb2
+from distserve.v1 import mux_pb2 as distserve_dot_v1_dot_mux__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64istserve/v1/router.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xee\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.distserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x65st_of\x18\x06 \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x07 \x01(\x08\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\x18\n\x10resume_token_ids\x18\t \x03(\x05\x42\x08\n\x06prompt\"\x98\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.distserve.v1.Usage\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.distserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\x05\x12-\n\x08logprobs\x18\n \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x13\n\x0bprompt_text\x18\x0c \x01(\t\x12\x18\n\x10prompt_token_ids\x18\r \x03(\x05\"r\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x03 \x01(\x08\x42\x15\n\x13_add_special_tokens\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xf8\x01\n\rRouterService\x12K\n\x08Generate\x12\x1d.distserve.v1.GenerateRequest\x1a\x1e.distserve.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.distserve.v1.TokenizeRequest\x1a\x1e.distserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.distserve.v1.DetokenizeRequest\x1a .distserve.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64istserve/v1/router.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\x1a\x16\x64istserve/v1/mux.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xee\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.distserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x65st_of\x18\x06 \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x07 \x01(\x08\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\x18\n\x10resume_token_ids\x18\t \x03(\x05\x42\x08\n\x06prompt\"\x98\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.distserve.v1.Usage\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.distserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\x05\x12-\n\x08logprobs\x18\n \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x13\n\x0bprompt_text\x18\x0c \x01(\t\x12\x18\n\x10prompt_token_ids\x18\r \x03(\x05\"r\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x03 \x01(\x08\x42\x15\n\x13_add_special_tokens\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xbb\x02\n\rRouterService\x12K\n\x08Generate\x12\x1d.distserve.v1.GenerateRequest\x1a\x1e.distserve.v1.GenerateResponse0\x01\x12\x41\n\x0bGenerateMux\x12\x16.distserve.v1.MuxBatch\x1a\x16.distserve.v1.MuxBatch(\x01\x30\x01\x12I\n\x08Tokenize\x12\x1d.distserve.v1.TokenizeRequest\x1a\x1e.distserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.distserve.v1.DetokenizeRequest\x1a .distserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserve.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENIDS']._serialized_start=70
-  _globals['_TOKENIDS']._serialized_end=93
-  _globals['_GENERATEREQUEST']._serialized_start=96
-  _globals['_GENERATEREQUEST']._serialized_end=334
-  _globals['_GENERATERESPONSE']._serialized_start=337
-  _globals['_GENERATERESPONSE']._serialized_end=745
-  _globals['_TOKENIZEREQUEST']._serialized_start=747
-  _globals['_TOKENIZEREQUEST']._serialized_end=861
-  _globals['_TOKENIZERESPONSE']._serialized_start=863
-  _globals['_TOKENIZERESPONSE']._serialized_end=943
-  _globals['_DETOKENIZEREQUEST']._serialized_start=945
-  _globals['_DETOKENIZEREQUEST']._serialized_end=983
-  _globals['_DETOKENIZERESPONSE']._serialized_start=985
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1019
-  _globals['_ROUTERSERVICE']._serialized_start=1022
-  _globals['_ROUTERSERVICE']._serialized_end=1270
+  _globals['_TOKENIDS']._serialized_start=94
+  _globals['_TOKENIDS']._serialized_end=117
+  _globals['_GENERATEREQUEST']._serialized_start=120
+  _globals['_GENERATEREQUEST']._serialized_end=358
+  _globals['_GENERATERESPONSE']._serialized_start=361
+  _globals['_GENERATERESPONSE']._serialized_end=769
+  _globals['_TOKENIZEREQUEST']._serialized_start=771
+  _globals['_TOKENIZEREQUEST']._serialized_end=885
+  _globals['_TOKENIZERESPONSE']._serialized_start=887
+  _globals['_TOKENIZERESPONSE']._serialized_end=967
+  _globals['_DETOKENIZEREQUEST']._serialized_start=969
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1007
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1009
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1043
+  _globals['_ROUTERSERVICE']._serialized_start=1046
+  _globals['_ROUTERSERVICE']._serialized_end=1361
 # @@protoc_insertion_point(module_scope)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from distserve.v1 import mux_pb2 as distserve_dot_v1_dot_mux__pb2
 from distserve.v1 import router_pb2 as distserve_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.0'
@@ -40,6 +41,11 @@ class RouterServiceStub:
                 request_serializer=distserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=distserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMux = channel.stream_stream(
+                '/distserve.v1.RouterService/GenerateMux',
+                request_serializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
+                response_deserializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/distserve.v1.RouterService/Tokenize',
                 request_serializer=distserve_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
@@ -58,6 +64,15 @@ class RouterServiceServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMux(self, request_iterator, context):
+        """Generate calls multiplexed (mux.proto): each open frame a GenerateRequest, each message frame a
+        GenerateResponse of that call, errors in its end frame as Generate's. The gateway keeps one session
+        per router and sends every request through it (the session's metadata carries the API key).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -82,6 +97,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=distserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=distserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMux,
+                    request_deserializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
+                    response_serializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -122,6 +142,33 @@ class RouterService:
             '/distserve.v1.RouterService/Generate',
             distserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             distserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/distserve.v1.RouterService/GenerateMux',
+            distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
+            distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,7 +47,8 @@ async def serve(config: RouterConfig) -> None:
         tasks.append(asyncio.create_task(picker.run_refresh(config.registry_refresh_s)))
         log.info("router ready: grpc=%s model=%s", port, path)
 
-    service = Service(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "distserve.v1.RouterService")
+    service = Service(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "distserve.v1.RouterService",
+                      on_stop=servicer.drain_sessions)
     try:
         await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, tls=config,
                               max_receive_bytes=int(config.max_request_mb * 2**20),

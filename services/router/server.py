@@ -18,7 +18,7 @@ from distserve.convert import finish_from_proto, sampling_to_proto
 from distserve.model_spec import ModelSpec
 from distserve.request_types import SamplingParams
 from distserve.grpc_server import ChannelPool
-from distserve.mux import MuxClient
+from distserve.mux import MuxClient, MuxServer
 from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
 from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
@@ -75,6 +75,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._broker = BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s)
         self._grammars = grammars
         self._decode_sessions = DecodeSessions()
+        self._mux = MuxServer(self.Generate, router_pb2.GenerateRequest)
+
+    def drain_sessions(self) -> None:
+        """The server stops taking calls: the gateway's sessions end with their last call (distserve.mux)."""
+        self._mux.drain()
+
+    async def GenerateMux(self, request_iterator, context):
+        """Generate calls multiplexed over one stream per gateway (distserve.mux)."""
+        async for batch in self._mux.serve(request_iterator, context):
+            yield batch
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -454,7 +464,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             request_id=req.request_id, kv_handle_id=first.kv_handle_id, prompt_token_ids=req.prompt,
             first_token_id=first.first_token_id, sampling=sampling_to_proto(req.params),
             output_token_ids=req.outputs, kv_secret=secret, starts=first.starts)
-        if self._config.decode_mux:
+        if self._config.decode_mux and MuxClient.fits(request):
             call = self._decode_sessions.client(worker.address, channel).call(
                 request, tracing.inject_headers({}), timeout=self._config.request_timeout_s)
         else:

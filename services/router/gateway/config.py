@@ -35,6 +35,8 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
     health_timeout_s: float = setting(1.0, "deadline for each check behind GET /health")
     router_retry_wait_s: float = setting(10.0, "before resuming a stream on the next router (or the same one, "
                                                "restarted), wait at most this long for it to connect")
+    router_mux: bool = setting(True, "send every request to a router through one multiplexed stream (distserve.mux: "
+                                     "fewer gRPC messages per token); false: one call per request")
     retry_after_s: int = setting(1, "Retry-After seconds sent with 429 (router out of KV capacity)")
     max_body_mb: float = setting(8.0, "largest accepted request body, in MiB")
     shutdown_grace_s: float = setting(10.0, "on SIGTERM, how long in-flight requests may still run")

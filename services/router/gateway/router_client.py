@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -15,6 +16,7 @@ from distserve import redis_client
 from distserve import tracing
 from distserve.bearer_key import call_metadata
 from distserve.grpc_server import aio_channel
+from distserve.mux import MuxCall, MuxClient
 from distserve.registry import WorkerRegistry
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.gateway.config import GatewayConfig
@@ -121,6 +123,10 @@ class RouterClient:
         self._stubs = [router_pb2_grpc.RouterServiceStub(channel) for channel in self._channels]
         self._next_router = itertools.count()  # requests go round the routers
         self._metadata = call_metadata(config.api_key)  # the router wants the deployment's key too
+        # One multiplexed session per router carries every request's stream (distserve.mux); its call's
+        # metadata presents the key for all of them.
+        self._sessions = [MuxClient(functools.partial(stub.GenerateMux, metadata=self._metadata),
+                                    router_pb2.GenerateResponse) for stub in self._stubs]
         self._health = [health_pb2_grpc.HealthStub(channel) for channel in self._channels]
         self._redis = redis_client.connect(config.redis_url, socket_connect_timeout=config.health_timeout_s,
                                         socket_timeout=config.health_timeout_s)
@@ -130,9 +136,13 @@ class RouterClient:
         """Starts the call; `params` maps router field names to the client's for 400 messages."""
         first = next(self._next_router)
 
-        def start(attempt_request: router_pb2.GenerateRequest, attempt: int) -> grpc.aio.UnaryStreamCall:
-            stub = self._stubs[(first + attempt) % len(self._stubs)]
-            return stub.Generate(attempt_request, timeout=self._config.request_timeout_s, metadata=self._metadata)
+        def start(attempt_request: router_pb2.GenerateRequest, attempt: int) -> grpc.aio.UnaryStreamCall | MuxCall:
+            which = (first + attempt) % len(self._stubs)
+            if self._config.router_mux and MuxClient.fits(attempt_request):
+                return self._sessions[which].call(attempt_request, tracing.inject_headers({}),
+                                                  timeout=self._config.request_timeout_s)
+            return self._stubs[which].Generate(attempt_request, timeout=self._config.request_timeout_s,
+                                               metadata=self._metadata)
 
         async def ready(attempt: int) -> None:
             channel = self._channels[(first + attempt) % len(self._channels)]
@@ -185,6 +195,8 @@ class RouterClient:
         return "" if reply.status == health_pb2.HealthCheckResponse.SERVING else f"router at {address} is not serving"
 
     async def close(self) -> None:
+        for session in self._sessions:
+            await session.close()
         for channel in self._channels:
             await channel.close()
         await self._redis.aclose()
