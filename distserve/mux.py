@@ -361,3 +361,25 @@ class MuxClient:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+
+class MuxSessions:
+    """A MuxClient per server address, over the channel given for it (a new channel: a new client)."""
+
+    def __init__(self, session_method: Callable[[grpc.aio.Channel], Callable[[], grpc.aio.StreamStreamCall]],
+                 response_type):
+        """session_method(channel): the stub's stream-stream method that opens a session on channel."""
+        self._session_method = session_method
+        self._response_type = response_type
+        self._clients: dict[str, tuple[grpc.aio.Channel, MuxClient]] = {}
+
+    def client(self, address: str, channel: grpc.aio.Channel) -> MuxClient:
+        known = self._clients.get(address)
+        if known is None or known[0] is not channel:
+            known = self._clients[address] = (channel, MuxClient(self._session_method(channel), self._response_type))
+        return known[1]
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for _, client in clients:
+            await client.close()

@@ -23,23 +23,24 @@ _sym_db = _symbol_database.Default()
 
 
 from distserve.v1 import common_pb2 as distserve_dot_v1_dot_common__pb2
+from distserve.v1 import mux_pb2 as distserve_dot_v1_dot_mux__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64istserve/v1/colocated.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\"w\n\x17PrefillAndDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\"\x88\x02\n\x18PrefillAndDecodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.distserve.v1.Timings\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\"\x1a\n\x18GetColocatedStatsRequest\"\xb3\x01\n\x19GetColocatedStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x11\n\tnum_steps\x18\x06 \x01(\x03\x12\x13\n\x0bmax_running\x18\x07 \x01(\x03\x32\xdd\x01\n\x10\x43olocatedService\x12\x63\n\x10PrefillAndDecode\x12%.distserve.v1.PrefillAndDecodeRequest\x1a&.distserve.v1.PrefillAndDecodeResponse0\x01\x12\x64\n\x11GetColocatedStats\x12&.distserve.v1.GetColocatedStatsRequest\x1a\'.distserve.v1.GetColocatedStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64istserve/v1/colocated.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\x1a\x16\x64istserve/v1/mux.proto\"w\n\x17PrefillAndDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\"\x88\x02\n\x18PrefillAndDecodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.distserve.v1.Timings\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\"\x1a\n\x18GetColocatedStatsRequest\"\xb3\x01\n\x19GetColocatedStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\x05\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x11\n\tnum_steps\x18\x06 \x01(\x03\x12\x13\n\x0bmax_running\x18\x07 \x01(\x03\x32\xa8\x02\n\x10\x43olocatedService\x12\x63\n\x10PrefillAndDecode\x12%.distserve.v1.PrefillAndDecodeRequest\x1a&.distserve.v1.PrefillAndDecodeResponse0\x01\x12I\n\x13PrefillAndDecodeMux\x12\x16.distserve.v1.MuxBatch\x1a\x16.distserve.v1.MuxBatch(\x01\x30\x01\x12\x64\n\x11GetColocatedStats\x12&.distserve.v1.GetColocatedStatsRequest\x1a\'.distserve.v1.GetColocatedStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserve.v1.colocated_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLANDDECODEREQUEST']._serialized_start=73
-  _globals['_PREFILLANDDECODEREQUEST']._serialized_end=192
-  _globals['_PREFILLANDDECODERESPONSE']._serialized_start=195
-  _globals['_PREFILLANDDECODERESPONSE']._serialized_end=459
-  _globals['_GETCOLOCATEDSTATSREQUEST']._serialized_start=461
-  _globals['_GETCOLOCATEDSTATSREQUEST']._serialized_end=487
-  _globals['_GETCOLOCATEDSTATSRESPONSE']._serialized_start=490
-  _globals['_GETCOLOCATEDSTATSRESPONSE']._serialized_end=669
-  _globals['_COLOCATEDSERVICE']._serialized_start=672
-  _globals['_COLOCATEDSERVICE']._serialized_end=893
+  _globals['_PREFILLANDDECODEREQUEST']._serialized_start=97
+  _globals['_PREFILLANDDECODEREQUEST']._serialized_end=216
+  _globals['_PREFILLANDDECODERESPONSE']._serialized_start=219
+  _globals['_PREFILLANDDECODERESPONSE']._serialized_end=483
+  _globals['_GETCOLOCATEDSTATSREQUEST']._serialized_start=485
+  _globals['_GETCOLOCATEDSTATSREQUEST']._serialized_end=511
+  _globals['_GETCOLOCATEDSTATSRESPONSE']._serialized_start=514
+  _globals['_GETCOLOCATEDSTATSRESPONSE']._serialized_end=693
+  _globals['_COLOCATEDSERVICE']._serialized_start=696
+  _globals['_COLOCATEDSERVICE']._serialized_end=992
 # @@protoc_insertion_point(module_scope)

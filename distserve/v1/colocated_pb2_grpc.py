@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from distserve.v1 import colocated_pb2 as distserve_dot_v1_dot_colocated__pb2
+from distserve.v1 import mux_pb2 as distserve_dot_v1_dot_mux__pb2
 
 GRPC_GENERATED_VERSION = '1.85.0'
 GRPC_VERSION = grpc.__version__
@@ -41,6 +42,11 @@ class ColocatedServiceStub:
                 request_serializer=distserve_dot_v1_dot_colocated__pb2.PrefillAndDecodeRequest.SerializeToString,
                 response_deserializer=distserve_dot_v1_dot_colocated__pb2.PrefillAndDecodeResponse.FromString,
                 _registered_method=True)
+        self.PrefillAndDecodeMux = channel.stream_stream(
+                '/distserve.v1.ColocatedService/PrefillAndDecodeMux',
+                request_serializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
+                response_deserializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
+                _registered_method=True)
         self.GetColocatedStats = channel.unary_unary(
                 '/distserve.v1.ColocatedService/GetColocatedStats',
                 request_serializer=distserve_dot_v1_dot_colocated__pb2.GetColocatedStatsRequest.SerializeToString,
@@ -61,6 +67,13 @@ class ColocatedServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillAndDecodeMux(self, request_iterator, context):
+        """PrefillAndDecode calls multiplexed over one stream per router (mux.proto), as DecodeService.DecodeMux.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetColocatedStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -74,6 +87,11 @@ def add_ColocatedServiceServicer_to_server(servicer, server):
                     servicer.PrefillAndDecode,
                     request_deserializer=distserve_dot_v1_dot_colocated__pb2.PrefillAndDecodeRequest.FromString,
                     response_serializer=distserve_dot_v1_dot_colocated__pb2.PrefillAndDecodeResponse.SerializeToString,
+            ),
+            'PrefillAndDecodeMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillAndDecodeMux,
+                    request_deserializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
+                    response_serializer=distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
             ),
             'GetColocatedStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetColocatedStats,
@@ -110,6 +128,33 @@ class ColocatedService:
             '/distserve.v1.ColocatedService/PrefillAndDecode',
             distserve_dot_v1_dot_colocated__pb2.PrefillAndDecodeRequest.SerializeToString,
             distserve_dot_v1_dot_colocated__pb2.PrefillAndDecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillAndDecodeMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/distserve.v1.ColocatedService/PrefillAndDecodeMux',
+            distserve_dot_v1_dot_mux__pb2.MuxBatch.SerializeToString,
+            distserve_dot_v1_dot_mux__pb2.MuxBatch.FromString,
             options,
             channel_credentials,
             insecure,

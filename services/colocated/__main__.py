@@ -62,7 +62,7 @@ async def serve(config: ColocatedConfig) -> None:
                             colocated_load(engine, config.block_size), spec.kv_format(config.dtype))
 
     service = Service(colocated_pb2_grpc.add_ColocatedServiceServicer_to_server, servicer,
-                      "distserve.v1.ColocatedService")
+                      "distserve.v1.ColocatedService", on_stop=servicer.drain_sessions)
     log.info("colocated worker %s: blocks=%d max_batch_tokens=%d model=%s", worker_id,
              engine.decode.usage().num_blocks, engine.max_batch_tokens, path)
     try:

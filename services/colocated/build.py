@@ -62,7 +62,7 @@ def also_colocated(config: ColocatedConfig, spec: ModelSpec, engine: ColocatedEn
     (same worker id, role colocated; `advertise` is the worker's host:port)."""
     servicer = ColocatedServicer(config, spec, engine, ColocatedMetrics(PREFIX + "colocated_"))
     service = Service(colocated_pb2_grpc.add_ColocatedServiceServicer_to_server, servicer,
-                      "distserve.v1.ColocatedService")
+                      "distserve.v1.ColocatedService", on_stop=servicer.drain_sessions)
 
     def record() -> WorkerRecord:
         load = {**colocated_load(engine, config.block_size), "spill_only": 1}

@@ -17,6 +17,7 @@ from distserve.convert import finish_to_proto, first_logprobs_fields, logprobs_t
 from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.decode_engine import NoCapacity
 from distserve.model_spec import ModelSpec, prompt_error
+from distserve.mux import MuxServer
 from distserve.engine.prefill_batcher import PrefillResult
 from distserve.engine.sequence import Sequence, stream_outputs
 from distserve.metrics import ColocatedMetrics
@@ -32,6 +33,16 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
         self._spec = spec
         self._engine = engine
         self._metrics = metrics
+        self._mux = MuxServer(self.PrefillAndDecode, colocated_pb2.PrefillAndDecodeRequest)
+
+    def drain_sessions(self) -> None:
+        """The server stops taking calls: multiplexed sessions end with their last call (distserve.mux)."""
+        self._mux.drain()
+
+    async def PrefillAndDecodeMux(self, request_iterator, context):
+        """PrefillAndDecode calls multiplexed over one stream per router (distserve.mux)."""
+        async for batch in self._mux.serve(request_iterator, context):
+            yield batch
 
     async def PrefillAndDecode(self, request, context):
         rid = request.request_id

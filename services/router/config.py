@@ -31,8 +31,9 @@ class RouterConfig(TlsConfig, ApiKeyConfig):
     registry_refresh_s: float = setting(0.5, "how often to re-read the worker registry")
     suspect_s: float = setting(5.0, "skip a worker this long after a call to it failed to connect")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
-    decode_mux: bool = setting(True, "carry all decode streams to a worker in one multiplexed stream (each engine "
-                                     "step's tokens in one message; distserve.mux); false: one stream per request")
+    decode_mux: bool = setting(True, "carry all decode and colocated streams to a worker in one multiplexed stream "
+                                     "(each engine step's tokens in one message; distserve.mux); false: one stream "
+                                     "per request")
     max_request_mb: float = setting(4.0, "largest Generate request accepted, in MiB (a longer one fails with "
                                          "RESOURCE_EXHAUSTED before it is read)")
     grammar_compile_timeout_s: float = setting(2.0, "a structured-output spec (regex, JSON schema, grammar, choice) "

@@ -18,7 +18,7 @@ from distserve.convert import finish_from_proto, sampling_to_proto
 from distserve.model_spec import ModelSpec
 from distserve.request_types import SamplingParams
 from distserve.grpc_server import ChannelPool
-from distserve.mux import MuxClient, MuxServer
+from distserve.mux import MuxClient, MuxServer, MuxSessions
 from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
 from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
@@ -43,25 +43,6 @@ def _trace_failure(code: grpc.StatusCode, details: str) -> None:
     trace.get_current_span().set_attributes({"distserve.error.code": code.name, "distserve.error.message": details})
 
 
-class DecodeSessions:
-    """One multiplexed session (distserve.mux) per decode worker address, over the pool's channel to it."""
-
-    def __init__(self):
-        self._clients: dict[str, tuple[grpc.aio.Channel, MuxClient]] = {}
-
-    def client(self, address: str, channel: grpc.aio.Channel) -> MuxClient:
-        known = self._clients.get(address)
-        if known is None or known[0] is not channel:
-            known = self._clients[address] = (channel, MuxClient(decode_pb2_grpc.DecodeServiceStub(channel).DecodeMux,
-                                                                 decode_pb2.DecodeResponse))
-        return known[1]
-
-    async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for _, client in clients:
-            await client.close()
-
-
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, config: RouterConfig, tokenizer, spec: ModelSpec, picker: WorkerPicker,
                  channels: ChannelPool, grammars: GrammarChecker, model_name: str, metrics: RouterMetrics):
@@ -74,7 +55,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._metrics = metrics
         self._broker = BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s)
         self._grammars = grammars
-        self._decode_sessions = DecodeSessions()
+        # one multiplexed session per worker carries all of this router's streams to it (distserve.mux)
+        self._decode_sessions = MuxSessions(lambda channel: decode_pb2_grpc.DecodeServiceStub(channel).DecodeMux,
+                                            decode_pb2.DecodeResponse)
+        self._colocated_sessions = MuxSessions(
+            lambda channel: colocated_pb2_grpc.ColocatedServiceStub(channel).PrefillAndDecodeMux,
+            colocated_pb2.PrefillAndDecodeResponse)
         self._mux = MuxServer(self.Generate, router_pb2.GenerateRequest)
 
     def drain_sessions(self) -> None:
@@ -211,10 +197,15 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def _colocated_attempt(self, req: RequestState, worker: WorkerRecord):
         """One PrefillAndDecode call; raises StageFailed if the worker fails."""
-        stub = colocated_pb2_grpc.ColocatedServiceStub(self._channels.get(worker.address))
-        call = stub.PrefillAndDecode(colocated_pb2.PrefillAndDecodeRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt, sampling=sampling_to_proto(req.params),
-        ), timeout=self._config.request_timeout_s)
+        channel = self._channels.get(worker.address)
+        request = colocated_pb2.PrefillAndDecodeRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt, sampling=sampling_to_proto(req.params))
+        if self._config.decode_mux and MuxClient.fits(request):
+            call = self._colocated_sessions.client(worker.address, channel).call(
+                request, tracing.inject_headers({}), timeout=self._config.request_timeout_s)
+        else:
+            call = colocated_pb2_grpc.ColocatedServiceStub(channel).PrefillAndDecode(
+                request, timeout=self._config.request_timeout_s)
         try:
             # a stream in the worker's one decode batch (a decode worker's spilled requests share it)
             with self._picker.track_stream(worker), self._picker.track_decode(worker, req.params.max_tokens):
@@ -521,6 +512,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def close(self) -> None:
         await self._decode_sessions.close()
+        await self._colocated_sessions.close()
 
     async def Tokenize(self, request, context):
         """The router's tokenizer on a text, as it tokenizes text prompts; INVALID_ARGUMENT names a bad field."""
