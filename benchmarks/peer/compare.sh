@@ -12,6 +12,7 @@
 #   VARIANTS="distserve distserve-nospill" bash benchmarks/peer/compare.sh ...  # also with --no-spill
 #   VARIANTS="distserve distserve-mark512" bash benchmarks/peer/compare.sh ...  # also spilling past 512 prompt tokens
 #   VARIANTS="distserve distserve-noprefix" bash benchmarks/peer/compare.sh ...  # also with prefix caching off
+#   VARIANTS="distserve distserve-nomux" bash benchmarks/peer/compare.sh ...  # also one gRPC stream per request
 #   VARIANTS="distserve distserve-colocated" bash benchmarks/peer/compare.sh ...  # also one colocated worker
 #   ROUNDS=3 bash benchmarks/peer/compare.sh ...  # 3 rounds, OUT_DIR/round1.., order alternating per round
 #   BENCH_ARGS="--random-prefix-len 768 --num-prompts 40" bash benchmarks/peer/compare.sh ...  # passed to
@@ -57,7 +58,8 @@ run_ours() {  # DTYPE
   # distserve: `up`'s defaults (one core per worker, spilling); -spill: the same, named so (runs before
   # spilling was the default); -nospill: --no-spill; -turns: --take-turns (and --no-spill, which it needs);
   # -lend: --lend-cores (and --no-spill);
-  # -markN: the router's prefill spill mark at N prompt tokens (default 256)
+  # -markN: the router's prefill spill mark at N prompt tokens (default 256); -nomux: token streams one
+  # gRPC call per request (the router's --decode-mux and the gateway's --router-mux off)
   for system in ${VARIANTS:-distserve}; do
     variant=(); mark=(); fleet=(--prefill 1 --decode 1)
     case "$system" in
@@ -68,6 +70,7 @@ run_ours() {  # DTYPE
       distserve-colocated) fleet=(--prefill 0 --decode 0 --colocated 1) ;;
       distserve-spill) variant=(--spill) ;;
       distserve-mark*) mark=("DISTSERVE_ROUTER_SPILL_PREFILL_TOKENS=${system#distserve-mark}") ;;
+      distserve-nomux) mark=(DISTSERVE_ROUTER_DECODE_MUX=false DISTSERVE_GATEWAY_ROUTER_MUX=false) ;;
     esac
     env "${mark[@]}" setsid .venv/bin/distserve up --model "$MODEL" --dtype "$1" "${fleet[@]}" "${variant[@]}" \
       --gateway-port 8000 --served-model-name "$NAME" --log-dir "$LOGS/$system-$1" >"$LOGS/up-$system-$1.log" 2>&1 &

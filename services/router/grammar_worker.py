@@ -15,6 +15,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    os.nice(10)  # below serving: a flood of slow specs (killed at the deadline, this process restarted)
+    # takes only the CPU the workers and the router leave
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever a library prints goes to stderr, never into the answers
     model_path, vocab_size, eos_ids = argv[0], int(argv[1]), tuple(json.loads(argv[2]))
