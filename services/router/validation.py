@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+from collections.abc import Sequence
 
 from distserve.convert import sampling_from_proto
 from distserve.request_types import MAX_LOGPROBS
@@ -42,6 +43,22 @@ class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def prompt_size_problem(prompt: str | Sequence[int], max_context: int) -> str:
+    """Why a prompt (text, or token ids) cannot fit the context, before tokenizing it; "" when it may. The
+    gateway asks too, so that what it accepts never outgrows the router's message cap."""
+    if isinstance(prompt, str):
+        max_chars = max_context * MAX_CHARS_PER_TOKEN
+        if not prompt:
+            return "must not be empty"
+        if len(prompt) > max_chars:
+            return (f"{len(prompt)} characters cannot fit the model's context of {max_context} tokens "
+                    f"(at most {max_chars} characters)")
+        return ""
+    if len(prompt) >= max_context:
+        return f"{len(prompt)} tokens do not fit the model's context of {max_context} tokens"
+    return ""
 
 
 def check(condition: bool, field: str, message: str) -> None:
@@ -140,16 +157,8 @@ def _validate_before_tokenizing(request, spec: ModelSpec) -> SamplingParams:
           f"must be in [n, {MAX_COMPLETIONS}], got {request.best_of}")
     which = request.WhichOneof("prompt")
     check(which is not None, "prompt", "text or token_ids is required")
-    if which == "text":
-        max_chars = spec.max_context * MAX_CHARS_PER_TOKEN
-        check(len(request.text) > 0, "prompt", "must not be empty")
-        check(len(request.text) <= max_chars, "prompt",
-              f"{len(request.text)} characters cannot fit the model's context of {spec.max_context} tokens "
-              f"(at most {max_chars} characters)")
-    else:
-        num_ids = len(request.token_ids.ids)
-        check(num_ids < spec.max_context, "prompt",
-              f"{num_ids} tokens do not fit the model's context of {spec.max_context} tokens")
+    problem = prompt_size_problem(request.text if which == "text" else request.token_ids.ids, spec.max_context)
+    check(not problem, "prompt", problem)
     try:
         params = sampling_from_proto(request.sampling)
     except ValueError as exc:  # structured.InvalidGrammar: a malformed structured_output

@@ -16,6 +16,6 @@ def test_reflection_lists_the_router_api(cluster):
         methods = {m.name for m in pool.FindServiceByName("distserve.v1.RouterService").methods}
         request = {f.name for f in pool.FindMessageTypeByName("distserve.v1.GenerateRequest").fields}
         sampling = {f.name for f in pool.FindMessageTypeByName("distserve.v1.SamplingParams").fields}
-    assert methods == {"Generate", "Tokenize", "Detokenize"}
+    assert methods == {"Generate", "GenerateMux", "Tokenize", "Detokenize"}
     assert {"n", "best_of", "echo", "user", "sampling"} <= request
     assert {"logprobs", "prompt_logprobs", "structured_output"} <= sampling

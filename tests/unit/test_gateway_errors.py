@@ -40,6 +40,12 @@ def test_resource_exhausted_is_429_with_retry_after():
     assert "no 95 free KV blocks" in error.message
 
 
+def test_a_request_over_the_routers_message_cap_is_413_not_a_retry():
+    error = from_router_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              "Received message larger than max (5000043 vs. 4194304)", {}, retry_after_s=3)
+    assert (error.status, error.code, error.headers()) == (413, "request_too_large", {})
+
+
 @pytest.mark.parametrize("code, status", [
     (grpc.StatusCode.UNAVAILABLE, 503),  # no workers, or the router unreachable
     (grpc.StatusCode.CANCELLED, 503),

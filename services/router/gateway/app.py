@@ -44,7 +44,7 @@ from services.router.gateway.router_client import RouterClient
 from services.router.gateway.tokenizer_endpoints import PATHS as TOKENIZER_PATHS
 from services.router.gateway.tokenizer_endpoints import TokenizerEndpoints
 from services.router.gateway.tools import parser_for_template
-from services.router.validation import THREAD_TOKENIZE_CHARS
+from services.router.validation import THREAD_TOKENIZE_CHARS, prompt_size_problem
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,11 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_json_object(await request.read())
         check_model(requested_model(body), self.served_model_name)
-        return await self._answer(request, parse_completion(body))
+        api = parse_completion(body)
+        max_context = self._template.max_context  # 0: unknown, and the router checks alone
+        if max_context and (problem := prompt_size_problem(api.prompt, max_context)):
+            raise bad_request("prompt", problem)  # here: too large a prompt would outgrow the router's message cap
+        return await self._answer(request, api)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

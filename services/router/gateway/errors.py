@@ -63,6 +63,8 @@ def from_router_error(code: grpc.StatusCode, details: str, params: Mapping[str, 
             return bad_request(None, details)
         param = params.get(match.group(1), match.group(1))
         return bad_request(param, match.group(2))
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:  # the router's message cap
+        return ApiError(413, f"the request is too large for the router: {details}", code="request_too_large")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(429, f"the server is out of capacity, retry later ({details})", type="rate_limit_error",
                         code="rate_limit_exceeded", retry_after_s=retry_after_s)
