@@ -39,7 +39,8 @@ def test_the_system_serves_with_every_service_on_its_own_user(signed_cluster):
     assert {"kvbroker", "router", "prefill", "decode"} <= connected <= set(ROLES)
     # No service was refused a command it needed: Redis logs every refusal (redis-py's CLIENT SETINFO
     # aside, which it sends to any Redis and may be refused harmlessly).
-    refused = [entry for entry in admin.acl_log() if entry["object"] != "client|setinfo"]
+    # redis-py's CLIENT SETINFO on connect, which Redis 7 logs as client|setinfo and Redis 6 as client
+    refused = [entry for entry in admin.acl_log() if entry["object"] not in ("client|setinfo", "client")]
     assert refused == []
 
 
