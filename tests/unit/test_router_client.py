@@ -75,6 +75,17 @@ def test_before_any_message_only_another_router_is_tried(num_routers, recovers):
         assert info.value.status == 503 and len(started) == 1
 
 
+def test_a_router_failing_before_any_message_leaves_the_resume_of_a_later_cut():
+    """Two routers: the first is still reconnecting (fails at once), the second's stream is cut mid-way,
+    and the first, back by then, finishes it from the tokens received."""
+    calls = [FakeCall([], fails=True), FakeCall([message(1), message(2)], fails=True),
+             FakeCall([message(3, finish=True)], fails=False)]
+    router_answer, started = answer(calls, router_pb2.GenerateRequest(), 2)
+    assert asyncio.run(read_all(router_answer)) == [1, 2, 3]
+    assert [attempt for _, attempt in started] == [0, 1, 2]
+    assert list(started[2][0].resume_token_ids) == [1, 2]
+
+
 def test_several_completions_are_not_resumed_mid_way_and_each_router_is_tried_once():
     many = router_pb2.GenerateRequest(n=2)
     router_answer, started = answer([FakeCall([message(1)], fails=True), FakeCall([], fails=False)], many, 2)

@@ -50,6 +50,7 @@ class RouterAnswer:
         self._unfinished = max(request.n, 1)
         self._finished = False
         self._attempt, self._num_routers = 0, num_routers
+        self._early_failures = self._resumes = 0  # failures before any message, and resumes mid-stream
         self._resumable = self._unfinished == 1 and request.best_of <= 1
         self._received: list[int] = []  # the completion's tokens so far (one-completion requests)
         self._num_messages = 0
@@ -78,11 +79,17 @@ class RouterAnswer:
         return message
 
     def _may_resume(self, error: grpc.aio.AioRpcError) -> bool:
-        if error.code() != grpc.StatusCode.UNAVAILABLE or self._attempt + 1 >= max(2, self._num_routers):
+        """Before any message, each other router is tried once (one router that failed before answering:
+        its error stands); mid-stream, a one-completion request resumes up to max(1, routers - 1) times.
+        The budgets are separate: a router still reconnecting after a restart (its channel fails calls at
+        once for up to its 2 s backoff) must not use up the resume of a stream cut later."""
+        if error.code() != grpc.StatusCode.UNAVAILABLE:
             return False
         if not self._num_messages:
-            return self._num_routers > 1  # one router that failed before answering: its error stands
-        return self._resumable
+            self._early_failures += 1
+            return self._early_failures < self._num_routers
+        self._resumes += 1
+        return self._resumable and self._resumes < max(2, self._num_routers)
 
     async def _resume(self, error: grpc.aio.AioRpcError) -> None:
         self._attempt += 1
