@@ -72,6 +72,13 @@ class MuxServer:
         self.draining = False
         self._sessions: set[_ServerSession] = set()
 
+    @classmethod
+    def methods(cls, handler: Callable, request_type) -> tuple[Callable, Callable[[], None]]:
+        """(the stream-stream method serving handler's calls in sessions, the drain to call when the server
+        stops): what a servicer assigns to its *Mux method and its on_stop."""
+        server = cls(handler, request_type)
+        return server.serve, server.drain
+
     def drain(self) -> None:
         """The server is stopping: calls opened from now on end at once with UNAVAILABLE (the client moves
         them elsewhere), and each session ends when its last call has, instead of when the grace runs out."""
@@ -199,37 +206,45 @@ class MuxCall:
     """One call in a session, read like a grpc.aio unary-stream call (read(), cancel())."""
 
     def __init__(self, session: "_ClientSession", stream_id: int, response_type, deadline: float | None):
+        """deadline: time.monotonic() by which the call must have ended, or None."""
         self._session = session
         self._stream_id = stream_id
         self._response_type = response_type
-        self._deadline = deadline
         self._frames: asyncio.Queue = asyncio.Queue()
         self._ended = False
+        # One timer for the whole call, not one per read: a streamed token costs no timer.
+        self._deadline_timer = None if deadline is None else asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._expire)
 
     async def read(self):
         """The next response, or grpc.aio.EOF after the last; raises AioRpcError with the call's status."""
         if self._ended and self._frames.empty():
             return grpc.aio.EOF
-        try:
-            if self._deadline is None:
-                frame = await self._frames.get()
-            else:
-                async with asyncio.timeout(self._deadline - time.monotonic()):
-                    frame = await self._frames.get()
-        except TimeoutError:
-            self.cancel()
-            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        frame = await self._frames.get()
         if isinstance(frame, grpc.aio.AioRpcError):
-            self._ended = True
+            self._end()
             raise frame
         if frame.WhichOneof("kind") == "message":
             return self._response_type.FromString(frame.message)
-        self._ended = True
+        self._end()
         self._session.forget(self._stream_id)
         code = _STATUS_CODES.get(frame.end.code, grpc.StatusCode.UNKNOWN)
         if code != grpc.StatusCode.OK:
             raise _rpc_error(code, frame.end.details)
         return grpc.aio.EOF
+
+    def _expire(self) -> None:
+        """The deadline passed: the server stops the call, and its reader gets DEADLINE_EXCEEDED after the
+        responses already here."""
+        self._deadline_timer = None
+        if self.cancel():
+            self._frames.put_nowait(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def _end(self) -> None:
+        self._ended = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
 
     async def code(self) -> grpc.StatusCode:
         """Waits for the call's end and returns its status code (responses not read yet are dropped)."""
@@ -244,7 +259,7 @@ class MuxCall:
         """Leaves the call: the server stops it. False when it had ended already."""
         if self._ended:
             return False
-        self._ended = True
+        self._end()
         self._session.cancel(self._stream_id)
         return True
 

@@ -33,16 +33,9 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
         self._spec = spec
         self._engine = engine
         self._metrics = metrics
-        self._mux = MuxServer(self.PrefillAndDecode, colocated_pb2.PrefillAndDecodeRequest)
-
-    def drain_sessions(self) -> None:
-        """The server stops taking calls: multiplexed sessions end with their last call (distserve.mux)."""
-        self._mux.drain()
-
-    async def PrefillAndDecodeMux(self, request_iterator, context):
-        """PrefillAndDecode calls multiplexed over one stream per router (distserve.mux)."""
-        async for batch in self._mux.serve(request_iterator, context):
-            yield batch
+        # PrefillAndDecodeMux: those calls over one stream per router; drain_sessions is the server's on_stop.
+        self.PrefillAndDecodeMux, self.drain_sessions = MuxServer.methods(
+            self.PrefillAndDecode, colocated_pb2.PrefillAndDecodeRequest)
 
     async def PrefillAndDecode(self, request, context):
         rid = request.request_id

@@ -120,17 +120,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self._receiver = receiver
         self._broker = broker
         self._metrics = metrics
-        self._mux = MuxServer(self.Decode, decode_pb2.DecodeRequest)
-
-    def drain_sessions(self) -> None:
-        """The server stops taking calls: multiplexed sessions end with their last call (distserve.mux)."""
-        self._mux.drain()
-
-    async def DecodeMux(self, request_iterator, context):
-        """Decode calls multiplexed over one stream per router (distserve.mux): the same calls, errors
-        included, with each engine step's tokens for all of that router's requests in one message."""
-        async for batch in self._mux.serve(request_iterator, context):
-            yield batch
+        # DecodeMux: Decode calls over one stream per router, an engine step's tokens for all of that
+        # router's requests in one message; drain_sessions is the server's on_stop.
+        self.DecodeMux, self.drain_sessions = MuxServer.methods(self.Decode, decode_pb2.DecodeRequest)
 
     async def Decode(self, request, context):
         rid = request.request_id

@@ -99,7 +99,7 @@ async def guarded_server():
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield port, runner.server
+    yield port, runner.guard
     await runner.cleanup()
 
 
@@ -111,11 +111,11 @@ async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bool:
 
 
 async def test_a_connection_over_the_cap_is_closed_at_once(guarded_server):
-    port, server = guarded_server
+    port, guard = guarded_server
     held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     assert await closed_within(reader, 0.2)
-    assert server.num_refused == 1
+    assert guard.num_refused == 1
     for _, held_writer in held:
         held_writer.close()
 

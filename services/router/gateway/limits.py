@@ -95,34 +95,39 @@ def body_deadline_middleware(timeout_s: float) -> Callable:
     return read_body_in_time
 
 
-class GuardedServer(web.Server):
-    """aiohttp's server with a cap on open connections (one over it is closed at once) and a deadline for
-    a new connection's first request headers (a connection that has sent none by then is closed)."""
+class ConnectionGuard:
+    """Installed on an aiohttp Server: a cap on open connections (one over it is closed at once) and a
+    deadline for a new connection's first request headers (a connection that has sent none by then is
+    closed). It wraps the server's public hooks (connection_made, connection_lost, request_factory)."""
 
-    def __init__(self, *args, max_connections: int, header_timeout_s: float, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, server: web.Server, *, max_connections: int, header_timeout_s: float):
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.num_refused = 0
-        self._make_request_unguarded = self.request_factory
-        self.request_factory = self._make_request_guarded
+        self._open: set[RequestHandler] = set()
         self._served: set[RequestHandler] = set()  # connections that have sent a whole request's headers
+        self._made, self._lost = server.connection_made, server.connection_lost
+        self._make_request = server.request_factory
+        server.connection_made, server.connection_lost = self._connection_made, self._connection_lost
+        server.request_factory = self._make_request_guarded
 
-    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
-        super().connection_made(handler, transport)
-        if len(self._connections) > self.max_connections:
+    def _connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        self._made(handler, transport)
+        self._open.add(handler)
+        if len(self._open) > self.max_connections:
             self.num_refused += 1
             transport.close()
             return
-        self._loop.call_later(self.header_timeout_s, self._close_if_silent, handler, transport)
+        asyncio.get_running_loop().call_later(self.header_timeout_s, self._close_if_silent, handler, transport)
 
-    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+    def _connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        self._open.discard(handler)
         self._served.discard(handler)
-        super().connection_lost(handler, exc)
+        self._lost(handler, exc)
 
     def _make_request_guarded(self, message, payload, protocol, writer, task, *args, **kwargs):
         self._served.add(protocol)
-        return self._make_request_unguarded(message, payload, protocol, writer, task, *args, **kwargs)
+        return self._make_request(message, payload, protocol, writer, task, *args, **kwargs)
 
     def _close_if_silent(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         if handler not in self._served and not transport.is_closing():
@@ -130,17 +135,14 @@ class GuardedServer(web.Server):
 
 
 class GuardedRunner(web.AppRunner):
-    """An AppRunner whose server is a GuardedServer (aiohttp builds its Server inside the runner)."""
+    """An AppRunner whose server carries a ConnectionGuard (`guard`, once set up)."""
 
     def __init__(self, app: web.Application, *, max_connections: int, header_timeout_s: float, **kwargs):
         super().__init__(app, **kwargs)
         self._guards = {"max_connections": max_connections, "header_timeout_s": header_timeout_s}
+        self.guard: ConnectionGuard | None = None
 
     async def _make_server(self) -> web.Server:
-        loop = asyncio.get_running_loop()
-        self._app._set_loop(loop)
-        self._app.on_startup.freeze()
-        await self._app.startup()
-        self._app.freeze()
-        return GuardedServer(self._app._handle, request_factory=self._app._make_request, loop=loop,
-                             **self._guards, **self._kwargs)
+        server = await super()._make_server()  # aiohttp builds its Server here, after the app's startup
+        self.guard = ConnectionGuard(server, **self._guards)
+        return server
