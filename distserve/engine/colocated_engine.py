@@ -42,7 +42,8 @@ class ColocatedEngine:
 
     def hand_off(self, result: PrefillResult, seq: Sequence) -> None:
         """Writes a prefilled prompt's KV into the sequence's reserved blocks and starts decoding it."""
-        self.decode.load_prompt(seq, result.kv)
+        shared = self.decode.share_cached_prefix(seq, result.kv.shape[2])
+        self.decode.load_prompt(seq, result.kv, shared_tokens=shared)
         seq.loaded_at = time.monotonic()
         self.decode.add(seq)
 

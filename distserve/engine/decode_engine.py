@@ -98,22 +98,31 @@ class DecodeEngine:
         self._prefix = prefix
         self.shared_blocks = SharedBlocks(scheduler.allocator) if prefix is not None else None
 
-    def load_prompt(self, seq: Sequence, kv: torch.Tensor) -> int:
-        """Writes a sequence's prompt KV kv [L, 2, T, Hkv, D] (its first T tokens) into its reserved
-        blocks. Full blocks whose KV a sequence here holds already are shared instead of written, and the
-        reserved blocks they replace are freed. Returns the tokens shared."""
+    def share_cached_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """Points the sequence's first reserved blocks at full blocks here that hold the KV of the same
+        first tokens of its prompt (of num_tokens), and frees the reserved blocks they replace. Returns
+        the tokens shared: their KV need not be pulled (load_prompt writes the rest)."""
         if self.shared_blocks is None:
-            self.kv_cache.write_prompt(seq.block_table, kv)
             return 0
-        num_tokens, block_size = kv.shape[2], self.kv_cache.block_size
-        keys = block_keys(seq.tokens[:num_tokens], block_size, self._prefix.seed(seq.params.cache_salt))
-        shared = self.shared_blocks.take(keys)
+        shared = self.shared_blocks.take(self._prompt_keys(seq, num_tokens))
         if shared:
             own, seq.block_table[:len(shared)] = seq.block_table[:len(shared)], shared
             self.scheduler.allocator.free(own)
-        self.kv_cache.write_prompt(seq.block_table, kv, start=len(shared) * block_size)
-        self.shared_blocks.add(keys[len(shared):], seq.block_table[len(shared):len(keys)])
-        return len(shared) * block_size
+        return len(shared) * self.kv_cache.block_size
+
+    def load_prompt(self, seq: Sequence, kv: torch.Tensor, kv_start: int = 0, shared_tokens: int = 0) -> None:
+        """Writes prompt KV kv [L, 2, T, Hkv, D], the KV of prompt tokens [kv_start, kv_start + T), into the
+        sequence's blocks from token shared_tokens on (share_cached_prefix's answer, >= kv_start: the
+        shared blocks hold the tokens before), and lists its full blocks for later prompts to share."""
+        assert kv_start <= shared_tokens, "the KV must cover every token not shared"
+        self.kv_cache.write_tokens(seq.block_table, kv[:, :, shared_tokens - kv_start:], first=shared_tokens)
+        if self.shared_blocks is not None:
+            keys = self._prompt_keys(seq, kv_start + kv.shape[2])
+            first = shared_tokens // self.kv_cache.block_size
+            self.shared_blocks.add(keys[first:], seq.block_table[first:len(keys)])
+
+    def _prompt_keys(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        return block_keys(seq.tokens[:num_tokens], self.kv_cache.block_size, self._prefix.seed(seq.params.cache_salt))
 
     async def reserve(self, num_blocks: int) -> list[int]:
         """Waits until num_blocks are free and takes them (callers bound the wait with a timeout)."""

@@ -160,8 +160,12 @@ class PagedKvCache:
         kv: [L, 2, T, H, D] (token-major, as prefill produces and sends it); table must hold at
         least ceil(T / block_size) blocks.
         """
-        slots = self._slots(table, kv.shape[2])[start:].to(self.device)
-        self._slots_view[:, :, slots] = kv[:, :, start:].to(self.device)
+        self.write_tokens(table, kv[:, :, start:], first=start)
+
+    def write_tokens(self, table: list[int], kv: torch.Tensor, first: int) -> None:
+        """Copies kv [L, 2, T, H, D], the KV of the sequence's tokens [first, first + T), into its blocks."""
+        slots = self._slots(table, first + kv.shape[2])[first:].to(self.device)
+        self._slots_view[:, :, slots] = kv.to(self.device)
 
     def gather(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """The sequences' KV right-padded with zeros to the longest: [L, 2, B, max_len, H, D].

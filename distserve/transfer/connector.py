@@ -8,11 +8,13 @@ Producer role (prefill side), `KvProducer`:
     on_sent(handle_id, num_bytes, seconds) is called once the consumer has the bytes, verified
     stop()
 Consumer role (decode side), `KvConsumer`:
-    await fetch(address, handle_id, out, timeout_s, request_id, secret, crc32c) -> seconds   fills
-        `out` or raises TransferError; `out` is a contiguous tensor [L, 2, T, Hkv, D] of the handle's
-        layout. `secret` is presented to the producer (PullRefused if it does not match); with
-        `crc32c` the bytes are verified and pulled once more on a mismatch (ChecksumMismatch if the
-        second pull is wrong too). The whole fetch, waits included, ends within timeout_s.
+    await fetch(address, handle_id, out, timeout_s, request_id, secret, crc32c, from_token) -> seconds
+        fills `out` or raises TransferError; `out` is a contiguous tensor [L, 2, T - from_token, Hkv, D]:
+        the handle's tokens from from_token on (0: all; a puller holding a cached prefix pulls the rest).
+        `secret` is presented to the producer (PullRefused if it does not match); with `crc32c` (the
+        whole buffer's CRC32C, or its ChunkChecksums, which a pull from from_token > 0 needs) the bytes
+        are verified and pulled once more on a mismatch (ChecksumMismatch if the second pull is wrong
+        too). The whole fetch, waits included, ends within timeout_s.
     await connect(address)   optional warm-up of a peer; peers: the connected addresses
     await close()
 
@@ -37,7 +39,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from distserve.transfer.checksum import kv_crc32c
+from distserve.transfer.checksum import ChunkChecksums, pulled_intact
 
 Lookup = Callable[[str], "torch.Tensor | None"]
 Authorize = Callable[[str, str], bool]
@@ -74,7 +76,8 @@ class KvConsumer(Protocol):
     counters: TransferCounters
 
     async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
-                    request_id: str = "", secret: str = "", crc32c: int | None = None) -> float: ...
+                    request_id: str = "", secret: str = "", crc32c: int | ChunkChecksums | None = None,
+                    from_token: int = 0) -> float: ...
 
     async def connect(self, address: str) -> None: ...
 
@@ -104,19 +107,21 @@ class LocalProducer:
     def stop(self) -> None:
         _local_producers.pop(self.port, None)
 
-    def send(self, handle_id: str, out: torch.Tensor, secret: str, crc32c: int | None) -> float:
+    def send(self, handle_id: str, out: torch.Tensor, secret: str, crc32c: int | ChunkChecksums | None,
+             from_token: int = 0) -> float:
         started = time.perf_counter()
         kv = self._lookup(handle_id)
         if kv is None:
             raise TransferError(f"{handle_id}: not held by local:{self.port}")
         if self._authorize is not None and not self._authorize(handle_id, secret):
             raise PullRefused(f"{handle_id}: pull refused by local:{self.port} (wrong kv_secret)")
+        kv = kv[:, :, from_token:]
         if kv.shape != out.shape or kv.dtype != out.dtype:
-            raise TransferError(f"{handle_id}: held {tuple(kv.shape)} {kv.dtype}, expected {tuple(out.shape)} "
-                                f"{out.dtype}")
+            raise TransferError(f"{handle_id}: held {tuple(kv.shape)} {kv.dtype} from token {from_token}, "
+                                f"expected {tuple(out.shape)} {out.dtype}")
         out.copy_(kv)
-        if crc32c is not None and kv_crc32c(out) != crc32c:
-            raise ChecksumMismatch(f"{handle_id}: KV checksum mismatch (expected crc32c {crc32c:#010x})")
+        if not pulled_intact(out, crc32c, from_token):
+            raise ChecksumMismatch(f"{handle_id}: KV checksum mismatch")
         seconds = time.perf_counter() - started
         num_bytes = out.numel() * out.element_size()
         self.counters.num_transfers += 1
@@ -132,11 +137,12 @@ class LocalConsumer:
         self.counters = TransferCounters()
 
     async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
-                    request_id: str = "", secret: str = "", crc32c: int | None = None) -> float:
+                    request_id: str = "", secret: str = "", crc32c: int | ChunkChecksums | None = None,
+                    from_token: int = 0) -> float:
         producer = _local_producers.get(int(address.rpartition(":")[2]))
         if producer is None:
             raise TransferError(f"no local producer at {address}")
-        seconds = producer.send(handle_id, out, secret, crc32c)
+        seconds = producer.send(handle_id, out, secret, crc32c, from_token)
         self.counters.num_transfers += 1
         self.counters.num_bytes += out.numel() * out.element_size()
         return seconds

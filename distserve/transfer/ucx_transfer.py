@@ -1,9 +1,11 @@
 """KV transfer over UCX (ucxx): the prefill side serves, the decode side pulls.
 
 Protocol on one endpoint, strictly request/response (one pull at a time per endpoint):
-    decode -> prefill  header: 512 bytes, JSON {handle_id, request_id, secret, traceparent}, NUL padded
-    prefill -> decode  size:   int64, the buffer's byte count; NOT_HELD or REFUSED (wrong secret) end it
-    prefill -> decode  data:   the KV buffer itself (zero-copy from the tensor)
+    decode -> prefill  header: 512 bytes, JSON {handle_id, request_id, secret, from_token, traceparent},
+                               NUL padded
+    prefill -> decode  size:   int64, the byte count to come; NOT_HELD or REFUSED (wrong secret) end it
+    prefill -> decode  data:   the KV buffer itself (zero-copy from the tensor), or with from_token > 0
+                               its tokens from there on ([L, 2, T - from_token, Hkv, D], one copy)
     prefill -> decode  done:   int64, once the sender's send completed (its trace span has ended)
     decode -> prefill  ack:    int64, ACK_RECEIVED once the bytes are in place and passed the checksum,
                                ACK_CORRUPT when they did not (the sender keeps the buffer for a re-pull)
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 
 from distserve import tracing
-from distserve.transfer.checksum import byte_view, kv_crc32c
+from distserve.transfer.checksum import ChunkChecksums, byte_view, pulled_intact
 from distserve.transfer.connector import (Authorize, ChecksumMismatch, PullRefused, TransferCounters,
                                           TransferError)
 
@@ -56,10 +58,10 @@ MAX_SERVED_ENDPOINTS = 256
 FIRST_HEADER_TIMEOUT_S = 10.0  # a new endpoint that asks for nothing in this long is closed
 
 
-def _encode_header(handle_id: str, request_id: str, secret: str) -> np.ndarray:
+def _encode_header(handle_id: str, request_id: str, secret: str, from_token: int = 0) -> np.ndarray:
     trace_context = {k: v for k, v in tracing.inject_headers({}).items() if k == "traceparent"}  # fixed size
     raw = json.dumps({"handle_id": handle_id, "request_id": request_id, "secret": secret,
-                      **trace_context}).encode()
+                      "from_token": from_token, **trace_context}).encode()
     if len(raw) > HEADER_BYTES:
         raise TransferError(f"transfer header of {len(raw)} bytes exceeds {HEADER_BYTES}")
     header = np.zeros(HEADER_BYTES, dtype=np.uint8)
@@ -67,7 +69,7 @@ def _encode_header(handle_id: str, request_id: str, secret: str) -> np.ndarray:
     return header
 
 
-def _decode_header(header: np.ndarray) -> dict[str, str]:
+def _decode_header(header: np.ndarray) -> dict:
     return json.loads(bytes(header).rstrip(b"\0").decode())
 
 
@@ -213,7 +215,11 @@ class KvSender:
             log.warning("kv handle=%s pull refused: the puller did not present its kv_secret", handle_id)
             await ep.send(_int64(REFUSED))
             return
-        data = byte_view(tensor)
+        from_token = int(fields.get("from_token", 0))
+        if not 0 <= from_token < tensor.shape[2]:
+            await ep.send(_int64(NOT_HELD))  # no such part: the puller's layout is not this buffer's
+            return
+        data = byte_view(tensor if from_token == 0 else tensor[:, :, from_token:].contiguous())
         # The span is a child of the receiver's; "done" follows its end, and the receiver waits
         # for "done", so the span always ends within its parent.
         with tracing.remote_context(fields), tracing.span("kv_transfer.send", fields.get("request_id", ""),
@@ -253,15 +259,18 @@ class KvReceiver:
         self.counters = TransferCounters()
 
     async def fetch(self, address: str, handle_id: str, out: torch.Tensor, timeout_s: float,
-                    request_id: str = "", secret: str = "", crc32c: int | None = None) -> float:
-        """Fills `out` (contiguous, CPU) with the handle's bytes within timeout_s; returns seconds spent.
-        Raises TransferError (PullRefused, ChecksumMismatch) on any failure, a timeout included."""
+                    request_id: str = "", secret: str = "", crc32c: int | ChunkChecksums | None = None,
+                    from_token: int = 0) -> float:
+        """Fills `out` (contiguous, CPU) with the handle's bytes (its tokens from from_token on) within
+        timeout_s; returns seconds spent. Raises TransferError (PullRefused, ChecksumMismatch) on any
+        failure, a timeout included."""
         with tracing.span("kv_transfer.recv", request_id, **{"distserve.kv.handle_id": handle_id,
                                                               "distserve.kv.peer": address}) as span:
-            header = _encode_header(handle_id, request_id, secret)  # inside the span: carries its traceparent
+            header = _encode_header(handle_id, request_id, secret, from_token)  # in the span: its traceparent
             start = time.perf_counter()
             try:
-                await asyncio.wait_for(self._pull_verified(address, handle_id, header, out, crc32c), timeout_s)
+                await asyncio.wait_for(self._pull_verified(address, handle_id, header, out, crc32c, from_token),
+                                       timeout_s)
             except TransferError:
                 raise
             except TimeoutError as exc:
@@ -288,25 +297,24 @@ class KvReceiver:
         return {address for address, peer in self._peers.items() if peer.idle or peer.num_busy}
 
     async def _pull_verified(self, address: str, handle_id: str, header: np.ndarray, out: torch.Tensor,
-                             crc32c: int | None) -> None:
+                             crc32c: int | ChunkChecksums | None, from_token: int) -> None:
         for attempt in (1, 2):
-            if await self._pull(address, handle_id, header, out, crc32c):
+            if await self._pull(address, handle_id, header, out, crc32c, from_token):
                 self.counters.num_transfers += 1
                 self.counters.num_bytes += out.numel() * out.element_size()
                 return
             log.warning("kv handle=%s from %s failed its checksum (pull %d of 2)", handle_id, address, attempt)
-        raise ChecksumMismatch(f"fetch of {handle_id} from {address}: KV checksum mismatch on two pulls "
-                               f"(expected crc32c {crc32c:#010x})")
+        raise ChecksumMismatch(f"fetch of {handle_id} from {address}: KV checksum mismatch on two pulls")
 
     async def _pull(self, address: str, handle_id: str, header: np.ndarray, out: torch.Tensor,
-                    crc32c: int | None) -> bool:
+                    crc32c: int | ChunkChecksums | None, from_token: int) -> bool:
         """One pull on an endpoint no other pull is using; True when the bytes passed the checksum."""
         peer = self._peers.setdefault(address, _Peer())
         async with peer.slots:
             ep = await self._idle_or_new_endpoint(address, peer)
             peer.num_busy += 1
             try:
-                verified = await _exchange(ep, handle_id, header, out, crc32c)
+                verified = await _exchange(ep, handle_id, header, out, crc32c, from_token)
             except BaseException:
                 # Any failure, cancellation included, can leave the endpoint mid-protocol, with a receive
                 # into `out` still posted: abort it now (cancelling that receive) and never reuse it.
@@ -362,7 +370,8 @@ def _log_connect_failure(future: asyncio.Future) -> None:
         log.debug("connect failed: %r", future.exception())
 
 
-async def _exchange(ep, handle_id: str, header: np.ndarray, out: torch.Tensor, crc32c: int | None) -> bool:
+async def _exchange(ep, handle_id: str, header: np.ndarray, out: torch.Tensor, crc32c: int | ChunkChecksums | None,
+                    from_token: int) -> bool:
     """The receiver's side of one pull (module docstring); True when the bytes passed the checksum."""
     await ep.send(header)
     size = np.empty(1, dtype=np.int64)
@@ -376,6 +385,6 @@ async def _exchange(ep, handle_id: str, header: np.ndarray, out: torch.Tensor, c
         raise TransferError(f"{handle_id}: sender has {int(size[0])} bytes, expected {target.nbytes}")
     await ep.recv(target)
     await ep.recv(np.empty(1, dtype=np.int64))  # done
-    verified = crc32c is None or kv_crc32c(out) == crc32c
+    verified = pulled_intact(out, crc32c, from_token)
     await ep.send(_int64(ACK_RECEIVED if verified else ACK_CORRUPT))
     return verified

@@ -25,33 +25,33 @@ _sym_db = _symbol_database.Default()
 from distserve.v1 import common_pb2 as distserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64istserve/v1/kvbroker.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\"\x8b\x02\n\x08KvHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x17\n\x0fowner_worker_id\x18\x03 \x01(\t\x12\x19\n\x11owner_ucx_address\x18\x04 \x01(\t\x12&\n\x06layout\x18\x05 \x01(\x0b\x32\x16.distserve.v1.KvLayout\x12(\n\x05state\x18\x06 \x01(\x0e\x32\x19.distserve.v1.HandleState\x12\x12\n\nclaimed_by\x18\x07 \x01(\t\x12\x18\n\x10lease_expires_at\x18\x08 \x01(\x01\x12\x16\n\tkv_crc32c\x18\t \x01(\x07H\x00\x88\x01\x01\x42\x0c\n\n_kv_crc32c\"P\n\x15RegisterHandleRequest\x12&\n\x06handle\x18\x01 \x01(\x0b\x32\x16.distserve.v1.KvHandle\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"@\n\x16RegisterHandleResponse\x12&\n\x06handle\x18\x01 \x01(\x0b\x32\x16.distserve.v1.KvHandle\"W\n\x12\x43laimHandleRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63laimant_worker_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"=\n\x13\x43laimHandleResponse\x12&\n\x06handle\x18\x01 \x01(\x0b\x32\x16.distserve.v1.KvHandle\"M\n\x14ReleaseHandleRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"(\n\x15ReleaseHandleResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x17\n\x15GetBrokerStatsRequest\"\x8a\x01\n\x16GetBrokerStatsResponse\x12\x16\n\x0enum_registered\x18\x01 \x01(\x03\x12\x13\n\x0bnum_claimed\x18\x02 \x01(\x03\x12\x14\n\x0cnum_released\x18\x03 \x01(\x03\x12\x19\n\x11max_request_bytes\x18\x04 \x01(\x03\x12\x12\n\nucx_loaded\x18\x05 \x01(\x08*]\n\x0bHandleState\x12\x1c\n\x18HANDLE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12HANDLE_STATE_READY\x10\x01\x12\x18\n\x14HANDLE_STATE_CLAIMED\x10\x02\x32\xf9\x02\n\x0fKvBrokerService\x12[\n\x0eRegisterHandle\x12#.distserve.v1.RegisterHandleRequest\x1a$.distserve.v1.RegisterHandleResponse\x12R\n\x0b\x43laimHandle\x12 .distserve.v1.ClaimHandleRequest\x1a!.distserve.v1.ClaimHandleResponse\x12X\n\rReleaseHandle\x12\".distserve.v1.ReleaseHandleRequest\x1a#.distserve.v1.ReleaseHandleResponse\x12[\n\x0eGetBrokerStats\x12#.distserve.v1.GetBrokerStatsRequest\x1a$.distserve.v1.GetBrokerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64istserve/v1/kvbroker.proto\x12\x0c\x64istserve.v1\x1a\x19\x64istserve/v1/common.proto\"\xbd\x02\n\x08KvHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x17\n\x0fowner_worker_id\x18\x03 \x01(\t\x12\x19\n\x11owner_ucx_address\x18\x04 \x01(\t\x12&\n\x06layout\x18\x05 \x01(\x0b\x32\x16.distserve.v1.KvLayout\x12(\n\x05state\x18\x06 \x01(\x0e\x32\x19.distserve.v1.HandleState\x12\x12\n\nclaimed_by\x18\x07 \x01(\t\x12\x18\n\x10lease_expires_at\x18\x08 \x01(\x01\x12\x16\n\tkv_crc32c\x18\t \x01(\x07H\x00\x88\x01\x01\x12\x17\n\x0fkv_chunk_crc32c\x18\n \x03(\x07\x12\x17\n\x0fkv_chunk_tokens\x18\x0b \x01(\x05\x42\x0c\n\n_kv_crc32c\"P\n\x15RegisterHandleRequest\x12&\n\x06handle\x18\x01 \x01(\x0b\x32\x16.distserve.v1.KvHandle\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"@\n\x16RegisterHandleResponse\x12&\n\x06handle\x18\x01 \x01(\x0b\x32\x16.distserve.v1.KvHandle\"W\n\x12\x43laimHandleRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63laimant_worker_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"=\n\x13\x43laimHandleResponse\x12&\n\x06handle\x18\x01 \x01(\x0b\x32\x16.distserve.v1.KvHandle\"M\n\x14ReleaseHandleRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"(\n\x15ReleaseHandleResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x17\n\x15GetBrokerStatsRequest\"\x8a\x01\n\x16GetBrokerStatsResponse\x12\x16\n\x0enum_registered\x18\x01 \x01(\x03\x12\x13\n\x0bnum_claimed\x18\x02 \x01(\x03\x12\x14\n\x0cnum_released\x18\x03 \x01(\x03\x12\x19\n\x11max_request_bytes\x18\x04 \x01(\x03\x12\x12\n\nucx_loaded\x18\x05 \x01(\x08*]\n\x0bHandleState\x12\x1c\n\x18HANDLE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12HANDLE_STATE_READY\x10\x01\x12\x18\n\x14HANDLE_STATE_CLAIMED\x10\x02\x32\xf9\x02\n\x0fKvBrokerService\x12[\n\x0eRegisterHandle\x12#.distserve.v1.RegisterHandleRequest\x1a$.distserve.v1.RegisterHandleResponse\x12R\n\x0b\x43laimHandle\x12 .distserve.v1.ClaimHandleRequest\x1a!.distserve.v1.ClaimHandleResponse\x12X\n\rReleaseHandle\x12\".distserve.v1.ReleaseHandleRequest\x1a#.distserve.v1.ReleaseHandleResponse\x12[\n\x0eGetBrokerStats\x12#.distserve.v1.GetBrokerStatsRequest\x1a$.distserve.v1.GetBrokerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserve.v1.kvbroker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDLESTATE']._serialized_start=929
-  _globals['_HANDLESTATE']._serialized_end=1022
+  _globals['_HANDLESTATE']._serialized_start=979
+  _globals['_HANDLESTATE']._serialized_end=1072
   _globals['_KVHANDLE']._serialized_start=73
-  _globals['_KVHANDLE']._serialized_end=340
-  _globals['_REGISTERHANDLEREQUEST']._serialized_start=342
-  _globals['_REGISTERHANDLEREQUEST']._serialized_end=422
-  _globals['_REGISTERHANDLERESPONSE']._serialized_start=424
-  _globals['_REGISTERHANDLERESPONSE']._serialized_end=488
-  _globals['_CLAIMHANDLEREQUEST']._serialized_start=490
-  _globals['_CLAIMHANDLEREQUEST']._serialized_end=577
-  _globals['_CLAIMHANDLERESPONSE']._serialized_start=579
-  _globals['_CLAIMHANDLERESPONSE']._serialized_end=640
-  _globals['_RELEASEHANDLEREQUEST']._serialized_start=642
-  _globals['_RELEASEHANDLEREQUEST']._serialized_end=719
-  _globals['_RELEASEHANDLERESPONSE']._serialized_start=721
-  _globals['_RELEASEHANDLERESPONSE']._serialized_end=761
-  _globals['_GETBROKERSTATSREQUEST']._serialized_start=763
-  _globals['_GETBROKERSTATSREQUEST']._serialized_end=786
-  _globals['_GETBROKERSTATSRESPONSE']._serialized_start=789
-  _globals['_GETBROKERSTATSRESPONSE']._serialized_end=927
-  _globals['_KVBROKERSERVICE']._serialized_start=1025
-  _globals['_KVBROKERSERVICE']._serialized_end=1402
+  _globals['_KVHANDLE']._serialized_end=390
+  _globals['_REGISTERHANDLEREQUEST']._serialized_start=392
+  _globals['_REGISTERHANDLEREQUEST']._serialized_end=472
+  _globals['_REGISTERHANDLERESPONSE']._serialized_start=474
+  _globals['_REGISTERHANDLERESPONSE']._serialized_end=538
+  _globals['_CLAIMHANDLEREQUEST']._serialized_start=540
+  _globals['_CLAIMHANDLEREQUEST']._serialized_end=627
+  _globals['_CLAIMHANDLERESPONSE']._serialized_start=629
+  _globals['_CLAIMHANDLERESPONSE']._serialized_end=690
+  _globals['_RELEASEHANDLEREQUEST']._serialized_start=692
+  _globals['_RELEASEHANDLEREQUEST']._serialized_end=769
+  _globals['_RELEASEHANDLERESPONSE']._serialized_start=771
+  _globals['_RELEASEHANDLERESPONSE']._serialized_end=811
+  _globals['_GETBROKERSTATSREQUEST']._serialized_start=813
+  _globals['_GETBROKERSTATSREQUEST']._serialized_end=836
+  _globals['_GETBROKERSTATSRESPONSE']._serialized_start=839
+  _globals['_GETBROKERSTATSRESPONSE']._serialized_end=977
+  _globals['_KVBROKERSERVICE']._serialized_start=1075
+  _globals['_KVBROKERSERVICE']._serialized_end=1452
 # @@protoc_insertion_point(module_scope)

@@ -1,8 +1,9 @@
 from distserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -17,7 +18,7 @@ HANDLE_STATE_READY: HandleState
 HANDLE_STATE_CLAIMED: HandleState
 
 class KvHandle(_message.Message):
-    __slots__ = ("handle_id", "request_id", "owner_worker_id", "owner_ucx_address", "layout", "state", "claimed_by", "lease_expires_at", "kv_crc32c")
+    __slots__ = ("handle_id", "request_id", "owner_worker_id", "owner_ucx_address", "layout", "state", "claimed_by", "lease_expires_at", "kv_crc32c", "kv_chunk_crc32c", "kv_chunk_tokens")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +28,8 @@ class KvHandle(_message.Message):
     CLAIMED_BY_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     KV_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    KV_CHUNK_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    KV_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     request_id: str
     owner_worker_id: str
@@ -36,7 +39,9 @@ class KvHandle(_message.Message):
     claimed_by: str
     lease_expires_at: float
     kv_crc32c: int
-    def __init__(self, handle_id: _Optional[str] = ..., request_id: _Optional[str] = ..., owner_worker_id: _Optional[str] = ..., owner_ucx_address: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., state: _Optional[_Union[HandleState, str]] = ..., claimed_by: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., kv_crc32c: _Optional[int] = ...) -> None: ...
+    kv_chunk_crc32c: _containers.RepeatedScalarFieldContainer[int]
+    kv_chunk_tokens: int
+    def __init__(self, handle_id: _Optional[str] = ..., request_id: _Optional[str] = ..., owner_worker_id: _Optional[str] = ..., owner_ucx_address: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., state: _Optional[_Union[HandleState, str]] = ..., claimed_by: _Optional[str] = ..., lease_expires_at: _Optional[float] = ..., kv_crc32c: _Optional[int] = ..., kv_chunk_crc32c: _Optional[_Iterable[int]] = ..., kv_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterHandleRequest(_message.Message):
     __slots__ = ("handle", "lease_s")

@@ -17,6 +17,7 @@ from distserve.engine.dtype import torch_dtype
 from distserve.model_spec import ModelSpec
 from distserve.mux import MuxServer
 from distserve.metrics import DecodeMetrics
+from distserve.transfer.checksum import ChunkChecksums
 from distserve.transfer.connector import KvConsumer, TransferError
 from distserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvbroker_pb2
 from services.decode.config import DecodeConfig
@@ -103,6 +104,20 @@ def completion_so_far(request) -> list[int]:
     """The completion tokens the request arrives with: all of them for a migrated request, else the
     first token alone. The KV to pull covers the prompt and all of these but the last."""
     return list(request.output_token_ids) or [request.first_token_id]
+
+
+def pull_start(handle: kvbroker_pb2.KvHandle, shared_tokens: int) -> tuple[int, int | ChunkChecksums]:
+    """(the first token to pull, what the pulled bytes must match) for a prompt whose first shared_tokens
+    tokens are here already: the last checksum chunk boundary at or before them (at least one chunk is
+    pulled: the sender acknowledges a pull, never an empty one), verified by the handle's chunk checksums;
+    from 0 with the whole buffer's CRC32C when nothing is shared or the handle has no chunk checksums."""
+    chunk, num_tokens = handle.kv_chunk_tokens, handle.layout.num_tokens
+    if not shared_tokens or chunk <= 0 or len(handle.kv_chunk_crc32c) != -(-num_tokens // chunk):
+        return 0, handle.kv_crc32c
+    from_token = min(shared_tokens, num_tokens - 1) // chunk * chunk
+    if from_token == 0:
+        return 0, handle.kv_crc32c
+    return from_token, ChunkChecksums(chunk, tuple(handle.kv_chunk_crc32c))
 
 
 def layout_error(layout: common_pb2.KvLayout, spec: ModelSpec, dtype: str, prompt_len: int) -> str | None:
@@ -239,27 +254,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, secret: str, context) -> float:
-        """Pulls the handle's KV, presenting the request's secret, verifies its checksum (a mismatch is
-        pulled once more, then DATA_LOSS "checksum") and writes it into the sequence's blocks."""
+        """Pulls the handle's KV, presenting the request's secret, verifies its checksums (a mismatch is
+        pulled once more, then DATA_LOSS "checksum") and writes it into the sequence's blocks. When full
+        blocks here hold the prompt's first tokens already, only the rest is pulled, from a checksum chunk
+        boundary on."""
         layout = handle.layout
-        staging = torch.empty((layout.num_layers, 2, layout.num_tokens, layout.num_kv_heads, layout.head_dim),
-                              dtype=torch_dtype(layout.dtype))
         if not handle.HasField("kv_crc32c"):  # every prefill worker sends one: this record was not written by one
             await context.abort(grpc.StatusCode.DATA_LOSS, f"kv handle {handle.handle_id} carries no checksum; "
                                                            "its KV is not loaded")
+        shared = self._engine.share_cached_prefix(seq, layout.num_tokens)
+        from_token, expected = pull_start(handle, shared)
+        staging = torch.empty((layout.num_layers, 2, layout.num_tokens - from_token, layout.num_kv_heads,
+                               layout.head_dim), dtype=torch_dtype(layout.dtype))
         try:
             transfer_s = await self._receiver.fetch(handle.owner_ucx_address, handle.handle_id, staging,
                                                     self._config.transfer_timeout_s, seq.request_id, secret,
-                                                    handle.kv_crc32c)
+                                                    expected, from_token)
         except TransferError as exc:
             # DATA_LOSS, not UNAVAILABLE (this worker is fine): the KV's owner could not deliver it (gone,
             # stalled, refused, or bytes that failed their checksum); the router prefills again elsewhere
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        num_bytes = staging.numel() * staging.element_size()
         self._metrics.kv_transfer_time.observe(transfer_s)
-        self._metrics.kv_transfer_bytes.inc(layout.num_bytes)
-        self._engine.load_prompt(seq, staging)
-        log.info("kv_load request_id=%s handle=%s bytes=%d seconds=%.4f gbps=%.3f", seq.request_id,
-                 handle.handle_id, layout.num_bytes, transfer_s, layout.num_bytes / max(transfer_s, 1e-9) / 1e9)
+        self._metrics.kv_transfer_bytes.inc(num_bytes)
+        self._engine.load_prompt(seq, staging, kv_start=from_token, shared_tokens=shared)
+        log.info("kv_load request_id=%s handle=%s bytes=%d of %d seconds=%.4f gbps=%.3f", seq.request_id,
+                 handle.handle_id, num_bytes, layout.num_bytes, transfer_s, num_bytes / max(transfer_s, 1e-9) / 1e9)
         return transfer_s
 
     async def _stream(self, seq: Sequence, transfer_s: float):

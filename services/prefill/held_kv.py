@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from distserve.transfer.checksum import kv_crc32c
+from distserve.transfer.checksum import ChunkChecksums, kv_crc32c
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ class _Held:
     kv: torch.Tensor
     secret: str
     crc32c: int
+    chunks: ChunkChecksums
     expires_at: float
 
     @property
@@ -48,14 +49,19 @@ class HeldKv:
 
     def add(self, handle_id: str, kv: torch.Tensor, lease_s: float, secret: str = "") -> int:
         """Holds kv for pullers presenting `secret` ("": for none: a local use) until freed or lease_s has passed;
-        returns its CRC32C. The caller checks `is_holding` and `can_hold` first."""
+        returns its CRC32C (its chunk checksums: chunk_checksums). The caller checks `is_holding` and `can_hold` first."""
         num_bytes = kv.numel() * kv.element_size()
         if self.is_holding(handle_id) or not self.can_hold(num_bytes):
             raise ValueError(f"cannot hold {handle_id}: already held, or {num_bytes} bytes over the cap")
-        held = _Held(kv, secret, kv_crc32c(kv), time.monotonic() + lease_s)
+        held = _Held(kv, secret, kv_crc32c(kv), ChunkChecksums.of(kv), time.monotonic() + lease_s)
         self._held[handle_id] = held
         self._num_bytes += held.num_bytes
         return held.crc32c
+
+    def chunk_checksums(self, handle_id: str) -> ChunkChecksums | None:
+        """The held KV's chunk checksums, for pullers of a part of it."""
+        held = self._held.get(handle_id)
+        return held.chunks if held else None
 
     def lookup(self, handle_id: str) -> torch.Tensor | None:
         held = self._held.get(handle_id)

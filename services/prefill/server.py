@@ -142,10 +142,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         but never the secret goes to the broker); undoes both if registration fails."""
         handle_id, request_id = response.kv_handle_id, request.request_id
         crc32c = await self._hold(handle_id, kv, request.kv_secret, context)
+        chunks = self._held.chunk_checksums(handle_id)
         handle = kvbroker_pb2.KvHandle(
             handle_id=handle_id, request_id=request_id, owner_worker_id=self._config.resolved_worker_id,
             owner_ucx_address=self._ucx_address, layout=response.kv_layout,
-            kv_crc32c=crc32c,
+            kv_crc32c=crc32c, kv_chunk_crc32c=chunks.crcs, kv_chunk_tokens=chunks.chunk_tokens,
         )
         try:
             await self._broker.register(handle, self._config.kv_lease_s)

@@ -101,6 +101,38 @@ def test_a_follow_up_turn_reuses_the_last_turns_prompt_blocks(fleet, reference_m
     assert_exact(answer2, turn2, reference_model)
 
 
+def test_a_decode_worker_holding_a_prefix_pulls_only_the_rest(fleet, reference_model):
+    """While one sequence holding a system prompt's blocks decodes, a second prompt that starts with it
+    shares those blocks on the decode worker and pulls only the KV from the last checksum chunk boundary
+    (CHUNK_TOKENS) before their end; its output stays token-exact."""
+    import concurrent.futures
+    import time
+
+    from distserve.transfer.checksum import CHUNK_TOKENS
+    from tests.cluster_helpers import worker_stats
+
+    vocab = reference_model.config.vocab_size
+    system = random_tokens(9 * BLOCK, seed=90, vocab=vocab)  # 144 tokens: 2 whole chunks of 64 shared
+    holder_prompt = system + random_tokens(7, seed=91, vocab=vocab)
+    before = worker_stats(fleet, "decode-0")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(generate, fleet.router_address,
+                             token_request(holder_prompt, max_tokens=1500, ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while (mid := worker_stats(fleet, "decode-0")).kv_transfers_received == before.kv_transfers_received:
+            assert time.monotonic() < deadline and not holder.done(), "the holder's KV never reached decode"
+            time.sleep(0.05)
+        prompt = system + random_tokens(40, seed=92, vocab=vocab)
+        answer = generate(fleet.router_address, token_request(prompt, max_tokens=MAX_TOKENS))
+        after = worker_stats(fleet, "decode-0")
+        assert len(holder.result().token_ids) == 1500
+    per_token = (mid.kv_bytes_received - before.kv_bytes_received) // len(holder_prompt)
+    pulled_from = len(system) // CHUNK_TOKENS * CHUNK_TOKENS
+    assert after.kv_bytes_received - mid.kv_bytes_received == (len(prompt) - pulled_from) * per_token, \
+        "the whole prompt's KV was pulled (did the holder finish before the second prompt arrived?)"
+    assert_exact(answer, prompt, reference_model)
+
+
 def test_structured_output_over_a_cached_prefix_equals_its_uncached_run(fleet, reference_model):
     """A grammar-constrained greedy request whose prompt is cached gives what it gave computing it all."""
     import re

@@ -214,3 +214,32 @@ async def test_a_connection_flood_is_turned_away_and_pulls_go_on_once_its_endpoi
             await idle.close()
         await receiver.close()
         sender.stop()
+
+
+async def test_a_suffix_pull_moves_only_the_tokens_from_its_start_verified_by_chunk_checksums():
+    """A decode worker holding a prompt's first tokens pulls the rest: the bytes of tokens [128, 300),
+    checked chunk by chunk against checksums of the whole buffer; a start past the buffer is refused."""
+    from distserve.transfer.checksum import ChunkChecksums
+    from distserve.transfer.connector import TransferError
+
+    init_ucx()
+    kv = torch.randn(2, 2, 300, 2, 64, generator=torch.Generator().manual_seed(5))  # [L, 2, T, Hkv, D]
+    chunks = ChunkChecksums.of(kv)
+    held = {"P": kv}
+    sent = []
+    sender = KvSender(lookup=held.get, on_sent=lambda handle_id, num_bytes, seconds: sent.append(num_bytes))
+    address = f"127.0.0.1:{sender.start(0)}"
+    receiver = KvReceiver()
+    try:
+        out = torch.zeros(2, 2, 300 - 128, 2, 64)
+        await receiver.fetch(address, "P", out, 10, crc32c=chunks, from_token=128)
+        assert torch.equal(out, kv[:, :, 128:])
+        assert await eventually(lambda: sent) and sent == [out.numel() * 4]
+        wrong = ChunkChecksums(chunks.chunk_tokens, chunks.crcs[:2] + (chunks.crcs[2] ^ 1,) + chunks.crcs[3:])
+        with pytest.raises(ChecksumMismatch):
+            await receiver.fetch(address, "P", torch.zeros(2, 2, 300 - 128, 2, 64), 10, crc32c=wrong, from_token=128)
+        with pytest.raises(TransferError, match="not held"):
+            await receiver.fetch(address, "P", torch.zeros(2, 2, 1, 2, 64), 10, from_token=300)
+    finally:
+        await receiver.close()
+        sender.stop()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from distserve.transfer.checksum import kv_crc32c
+from distserve.transfer.checksum import ChunkChecksums, kv_crc32c
 from distserve.transfer.connector import (ChecksumMismatch, LocalConsumer, PullRefused, TransferError, make_consumer,
                                           make_producer)
 
@@ -75,3 +75,32 @@ def test_an_unknown_connector_is_named():
         make_consumer("rdma")
     with pytest.raises(ValueError, match="kv_connector: 'rdma'"):
         make_producer("rdma", dict().get, lambda *args: None)
+
+
+async def test_local_fetch_of_a_suffix_copies_and_verifies_only_those_tokens():
+    kv = torch.arange(2 * 2 * 10 * 3, dtype=torch.float32).view(2, 2, 10, 3, 1)  # [L, 2, T, Hkv, D]
+    chunks = ChunkChecksums.of(kv, chunk_tokens=4)
+    producer = make_producer("local", {"h1": kv}.get, lambda *args: None)
+    address = f"local:{producer.start()}"
+    try:
+        out = torch.zeros(2, 2, 6, 3, 1)
+        await LocalConsumer().fetch(address, "h1", out, 1.0, crc32c=chunks, from_token=4)
+        assert torch.equal(out, kv[:, :, 4:])
+        with pytest.raises(ChecksumMismatch):
+            await LocalConsumer().fetch(address, "h1", out, 1.0, crc32c=ChunkChecksums(4, (0, 0, 0)), from_token=4)
+    finally:
+        producer.stop()
+
+
+def test_chunk_checksums_verify_any_chunk_aligned_suffix_and_nothing_else():
+    kv = torch.randn(3, 2, 50, 2, 8).to(torch.bfloat16)
+    chunks = ChunkChecksums.of(kv, chunk_tokens=16)
+    assert len(chunks.crcs) == 4  # 16, 16, 16 and 2 tokens
+    for start in (0, 16, 32, 48):
+        assert chunks.matches(kv[:, :, start:].contiguous(), start)
+    assert not chunks.matches(kv[:, :, 16:].contiguous(), 32)
+    damaged = kv[:, :, 32:].clone()
+    damaged[2, 1, 17, 1, 3] += 1  # the last chunk, last layer's values
+    assert not chunks.matches(damaged, 32)
+    with pytest.raises(ValueError):
+        chunks.matches(kv[:, :, 8:].contiguous(), 8)

@@ -37,9 +37,14 @@ def kv_of(tokens: list[int]) -> torch.Tensor:
     return values[None, None, :, None, None].expand(2, 2, len(tokens), 1, 2).clone()
 
 
-def loaded(e: DecodeEngine, tokens: list[int], salt: str = "") -> tuple[Sequence, int]:
+def loaded(e: DecodeEngine, tokens: list[int], salt: str = "", pull_only_the_rest: bool = False) -> tuple[Sequence, int]:
+    """A sequence with the prompt's KV written: all of it handed over, or (pull_only_the_rest) only the
+    tokens from the shared prefix on, as a decode worker pulls a handle's suffix."""
     seq = sequence(tokens + [0], e.scheduler.allocator.allocate(4), salt)  # 4 blocks: 16 tokens of room
-    return seq, e.load_prompt(seq, kv_of(tokens))
+    shared = e.share_cached_prefix(seq, len(tokens))
+    kv_start = shared if pull_only_the_rest else 0
+    e.load_prompt(seq, kv_of(tokens)[:, :, kv_start:], kv_start=kv_start, shared_tokens=shared)
+    return seq, shared
 
 
 def test_a_second_sequence_shares_the_full_blocks_of_a_common_prefix_and_frees_its_own():
@@ -103,3 +108,14 @@ def test_the_engine_builder_and_its_accounting():
     e.release(parent)
     e.release(child)
     assert e.usage().num_used_blocks == 0
+
+
+def test_a_suffix_written_after_its_shared_prefix_reads_back_as_the_whole_prompt():
+    e = engine()
+    first, _ = loaded(e, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    second, shared = loaded(e, [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 24], pull_only_the_rest=True)
+    assert shared == 2 * BLOCK
+    assert torch.equal(e.kv_cache.gather([second.block_table], [13])[:, :, 0],
+                       kv_of([1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 24]))
+    third, shared = loaded(e, [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 30], pull_only_the_rest=True)
+    assert shared == 3 * BLOCK  # the suffix's full block was listed too
