@@ -85,6 +85,8 @@ class PrefillMetrics:
 class DecodeMetrics:
     def __init__(self) -> None:
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        self.cached_blocks = Gauge(PREFIX + "kv_cache_cached_blocks", "KV blocks no sequence holds, kept for "
+                                   "prompts that start with their tokens (free for allocation)")
         self.running = Gauge(PREFIX + "num_requests_running", "Sequences in the running batch")
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting to join the batch")
         self.queue_time = _hist("request_queue_time_seconds", "KV loaded to joined the batch", REQUEST_BUCKETS)

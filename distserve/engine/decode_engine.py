@@ -60,7 +60,8 @@ class EngineUsage:
 
     num_blocks: int
     num_used_blocks: int
-    num_free_blocks: int
+    num_free_blocks: int  # cached blocks included
+    num_cached_blocks: int  # held by no sequence, kept for prompts that start with their tokens
     num_running: int
     num_waiting: int
     max_running_seen: int
@@ -104,7 +105,7 @@ class DecodeEngine:
         the tokens shared: their KV need not be pulled (load_prompt writes the rest)."""
         if self.shared_blocks is None:
             return 0
-        shared = self.shared_blocks.take(self._prompt_keys(seq, num_tokens))
+        shared = self.shared_blocks.take(self._keys(seq, num_tokens))
         if shared:
             own, seq.block_table[:len(shared)] = seq.block_table[:len(shared)], shared
             self.scheduler.allocator.free(own)
@@ -117,11 +118,12 @@ class DecodeEngine:
         assert kv_start <= shared_tokens, "the KV must cover every token not shared"
         self.kv_cache.write_tokens(seq.block_table, kv[:, :, shared_tokens - kv_start:], first=shared_tokens)
         if self.shared_blocks is not None:
-            keys = self._prompt_keys(seq, kv_start + kv.shape[2])
+            keys = self._keys(seq, kv_start + kv.shape[2])
             first = shared_tokens // self.kv_cache.block_size
             self.shared_blocks.add(keys[first:], seq.block_table[first:len(keys)])
 
-    def _prompt_keys(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+    def _keys(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The prefix keys of the full blocks of the sequence's first num_tokens tokens."""
         return block_keys(seq.tokens[:num_tokens], self.kv_cache.block_size, self._prefix.seed(seq.params.cache_salt))
 
     async def reserve(self, num_blocks: int) -> list[int]:
@@ -163,8 +165,8 @@ class DecodeEngine:
 
     def usage(self) -> EngineUsage:
         allocator, scheduler = self.scheduler.allocator, self.scheduler
-        return EngineUsage(allocator.num_blocks, allocator.num_used, allocator.num_free, len(scheduler.running),
-                           len(scheduler.waiting), scheduler.max_running_seen)
+        return EngineUsage(allocator.num_blocks, allocator.num_used, allocator.num_free, allocator.num_cached,
+                           len(scheduler.running), len(scheduler.waiting), scheduler.max_running_seen)
 
     def fork_blocks(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks a completion forked from a prompt (n > 1) needs of its own: its whole life less the
@@ -289,8 +291,21 @@ class DecodeEngine:
                 token, seq.num_generated, len(seq.tokens), seq.params, self._eos_ids, self._max_context,
                 seq.grammar is not None and seq.grammar.is_terminated)
             seq.outputs.put_nowait(([token], seq.finish_reason, [token_logprobs] if token_logprobs else []))
+        if self.shared_blocks is not None:
+            for seq in batch:
+                if seq.finish_reason is not None and not seq.is_aborted:
+                    self._list_generated_blocks(seq)
         for seq in self.scheduler.retire_finished():
             seq.finished_at = time.monotonic()
+
+    def _list_generated_blocks(self, seq: Sequence) -> None:
+        """Lists a finishing sequence's full blocks past its prompt's, those whose KV is written (every
+        token's but the last sampled one's), so that once freed they stay cached for a prompt that
+        continues this text: the next turn of a conversation, which starts with this prompt and answer."""
+        block_size = self.kv_cache.block_size
+        keys = self._keys(seq, (len(seq.tokens) - 1) // block_size * block_size)
+        first = seq.prompt_len // block_size  # the prompt's full blocks were listed when it was loaded
+        self.shared_blocks.add(keys[first:], seq.block_table[first:len(keys)])
 
 
 def build_decode_engine(runner: ModelRunner, spec, dtype: str, device: str, *, block_size: int, kv_cache_mb: int,

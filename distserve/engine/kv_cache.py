@@ -11,6 +11,9 @@ A sequence's token at position p lives in block `table[p // block_size]`, slot
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
+
 import torch
 
 from distserve.engine import host_memory
@@ -27,52 +30,74 @@ def blocks_in_budget(budget_mb: int, kv_bytes_per_token: int, block_size: int) -
 
 class BlockAllocator:
     """Free list of block ids, with reference counts for blocks several sequences share (n completions
-    of one prompt). Not thread-safe: the owning event loop serialises calls."""
+    of one prompt, a common prompt prefix), and a cache of unreferenced blocks worth keeping: a block
+    whose last holder frees it while `keeps(block)` says so (its KV is listed by prefix key) stays
+    cached, in LRU order, until an allocation needs it (`on_evict` is told) or `share` revives it.
+    Cached blocks count as free. Not thread-safe: the owning event loop serialises calls."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recent first
         self._extra_refs: dict[int, int] = {}  # block -> holders beyond the first (absent: one holder)
         self.on_free = lambda: None  # called after every free(), e.g. to wake requests waiting for blocks
-        self.on_release = lambda blocks: None  # called with the blocks a free() returned to the free list
+        self.keeps: Callable[[int], bool] = lambda block: False  # whether a released block stays cached
+        self.on_evict: Callable[[list[int]], None] = lambda blocks: None  # cached blocks handed out again
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
-        """Returns n block ids, or None when fewer than n are free."""
+        """Returns n block ids, or None when fewer than n are free; evicts cached blocks, least recently
+        released first, only when the free list runs short."""
         if not self.can_allocate(n):
             return None
+        evicted = [self._cached.popitem(last=False)[0] for _ in range(n - len(self._free))]
+        if evicted:
+            self.on_evict(evicted)
+            self._free.extend(evicted)
         return [self._free.pop() for _ in range(n)]
 
     def share(self, blocks: list[int]) -> None:
-        """One more holder for each of these (allocated) blocks: each holder frees them once."""
+        """One more holder for each of these blocks (allocated, or cached: revived with one holder); each
+        holder frees them once."""
         for block in blocks:
-            self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
+            if block in self._cached:
+                del self._cached[block]
+            else:
+                self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drops one holder of each block; a block returns to the free list with its last holder."""
-        released = []
-        for block in blocks:
+        """Drops one holder of each block; a block is released with its last holder: cached if `keeps`
+        says so, else back to the free list. A table's tail is released first, so that a cached prefix
+        loses its tail, the part least likely to be shared, before its head."""
+        released = False
+        for block in reversed(blocks):
             extra = self._extra_refs.get(block, 0)
             if extra:
                 if extra == 1:
                     del self._extra_refs[block]
                 else:
                     self._extra_refs[block] = extra - 1
+                continue
+            released = True
+            if self.keeps(block):
+                self._cached[block] = None
             else:
-                released.append(block)
-        self._free.extend(reversed(released))
+                self._free.append(block)
         if released:
-            self.on_release(released)
             self.on_free()
 
 

@@ -1,11 +1,13 @@
-"""Full prompt blocks of the sequences in a paged KV cache, by prefix key (distserve.prefix_hash): a
-sequence whose prompt starts like one already in the cache shares those blocks, reference-counted,
-instead of holding copies. Decode attention then reads one copy of a shared system prompt for the whole
-batch, which stays in the CPU's caches, instead of one copy per sequence from memory.
+"""Full blocks of a paged KV cache by prefix key (distserve.prefix_hash): a sequence whose prompt starts
+like one already in the cache shares those blocks, reference-counted, instead of holding copies (and
+pulls only the rest of its KV). Decode attention then reads one copy of a shared system prompt for the
+whole batch, which stays in the CPU's caches, instead of one copy per sequence from memory.
 
-A block is listed from when its KV is written until its last holder frees it (the allocator's
-`on_release`). Full prompt blocks are never written again, so a listed block's KV stays what its key
-says. Event-loop only, like the allocator.
+Listed are a prompt's full blocks once its KV is written, and a finished sequence's full blocks past
+its prompt (the next turn of a conversation starts with that prompt and answer). A listed block stays
+listed after its last holder frees it: the allocator keeps it cached, and only when it evicts it for
+an allocation (`on_evict`) is it forgotten. Full blocks are never written again while listed, so a
+listed block's KV stays what its key says. Event-loop only, like the allocator.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ class SharedBlocks:
         self._allocator = allocator
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
-        allocator.on_release = self._forget
+        allocator.keeps = self._key_of.__contains__  # a listed block stays cached when its last holder frees it
+        allocator.on_evict = self._forget
 
     @property
     def num_blocks(self) -> int:

@@ -89,6 +89,7 @@ async def serve(config: DecodeConfig) -> None:
                 "block_size": config.block_size, "num_reserving": engine.num_reserving,
                 "max_reserving": config.max_waiting_for_blocks}
         metrics.kv_usage.set(usage.num_used_blocks / usage.num_blocks)
+        metrics.cached_blocks.set(usage.num_cached_blocks)
         metrics.running.set(usage.num_running)
         metrics.waiting.set(usage.num_waiting)
         return WorkerRecord(worker_id, "decode", f"{config.advertise_host}:{config.port}", "", load,

@@ -133,6 +133,37 @@ def test_a_decode_worker_holding_a_prefix_pulls_only_the_rest(fleet, reference_m
     assert_exact(answer, prompt, reference_model)
 
 
+def test_a_follow_up_turn_pulls_only_what_the_decode_worker_lacks(fleet, reference_model):
+    """The decode worker keeps a finished answer's full blocks cached: turn 2 (turn 1's prompt, its
+    answer and a new message) shares them there and pulls only from the last checksum chunk boundary
+    before their end; its output stays token-exact."""
+    import time
+
+    from distserve.transfer.checksum import CHUNK_TOKENS
+    from tests.cluster_helpers import worker_stats
+
+    config = reference_model.config
+    vocab = config.vocab_size
+    bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * 4  # fp32 KV
+    turn1 = random_tokens(9 * BLOCK + 5, seed=95, vocab=vocab)
+    answer1 = generate(fleet.router_address, token_request(turn1, max_tokens=40, ignore_eos=True))
+    before = worker_stats(fleet, "decode-0")
+    turn2 = turn1 + answer1.token_ids + random_tokens(30, seed=96, vocab=vocab)
+    answer2 = generate(fleet.router_address, token_request(turn2, max_tokens=MAX_TOKENS))
+    after = worker_stats(fleet, "decode-0")
+    held = (len(turn1) + len(answer1.token_ids) - 1) // BLOCK * BLOCK  # the last answer token has no KV yet
+    pulled_from = held // CHUNK_TOKENS * CHUNK_TOKENS
+    assert pulled_from > 0
+    assert after.kv_bytes_received - before.kv_bytes_received == (len(turn2) - pulled_from) * bytes_per_token
+    assert answer2.last.usage.cached_tokens == len(turn1) // BLOCK * BLOCK  # the prefill worker's own hit
+    assert_exact(answer2, turn2, reference_model)
+    deadline = time.monotonic() + 15  # the gauge is set with each registry heartbeat
+    while scrape(fleet, "decode-0")["distserve:kv_cache_cached_blocks{}"] < held // BLOCK:
+        assert time.monotonic() < deadline, "the decode worker reports fewer cached blocks than it shared"
+        time.sleep(0.2)
+
+
 def test_structured_output_over_a_cached_prefix_equals_its_uncached_run(fleet, reference_model):
     """A grammar-constrained greedy request whose prompt is cached gives what it gave computing it all."""
     import re

@@ -142,3 +142,19 @@ def test_fill_random_writes_every_block_but_the_pad_block():
         blocks = cache.layer(layer)[:, :cache.pad_block]
         assert torch.count_nonzero(blocks) == blocks.numel()
         assert torch.count_nonzero(cache.layer(layer)[:, cache.pad_block]) == 0
+
+
+def test_the_allocator_caches_kept_blocks_counts_them_free_and_evicts_tails_first():
+    allocator = BlockAllocator(6)
+    kept = set()
+    evicted = []
+    allocator.keeps, allocator.on_evict = kept.__contains__, evicted.extend
+    table = allocator.allocate(4)
+    kept.update(table[:3])  # three listed blocks; the fourth is not kept
+    allocator.free(table)
+    assert (allocator.num_cached, allocator.num_free, allocator.num_used) == (3, 6, 0)
+    allocator.share([table[0]])  # revived: one holder, no longer cached
+    assert allocator.num_cached == 2 and allocator.num_used == 1
+    got = allocator.allocate(4)  # 3 on the free list, then the least recently released cached block
+    assert evicted == [table[2]] and table[2] in got  # the tail went first
+    assert allocator.num_cached == 1 and allocator.allocate(2) is None

@@ -60,20 +60,37 @@ def test_a_second_sequence_shares_the_full_blocks_of_a_common_prefix_and_frees_i
         assert torch.equal(e.kv_cache.gather([seq.block_table], [len(tokens)])[:, :, 0], kv_of(tokens))
 
 
-def test_a_shared_block_stays_listed_until_its_last_holder_frees_it():
+def test_a_freed_block_stays_cached_and_shareable_until_an_allocation_evicts_it():
     e = engine()
     allocator = e.scheduler.allocator
     first, _ = loaded(e, list(range(1, 9)))
     second, shared = loaded(e, list(range(1, 9)) + [50])
     assert shared == 2 * BLOCK
     allocator.free(first.block_table)
-    third, shared = loaded(e, list(range(1, 9)) + [60])
-    assert shared == 2 * BLOCK  # second still holds them
     allocator.free(second.block_table)
+    assert allocator.num_used == 0 and allocator.num_cached == 2 and e.shared_blocks.num_blocks == 2
+    third, shared = loaded(e, list(range(1, 9)) + [60])
+    assert shared == 2 * BLOCK  # revived from the cache
+    assert torch.equal(e.kv_cache.gather([third.block_table], [9])[:, :, 0], kv_of(list(range(1, 9)) + [60]))
     allocator.free(third.block_table)
-    assert e.shared_blocks.num_blocks == 0 and allocator.num_used == 0
-    _, shared = loaded(e, list(range(1, 9)))
-    assert shared == 0
+    allocator.allocate(allocator.num_blocks)  # everything: the cached blocks are evicted and forgotten
+    assert allocator.num_cached == 0 and e.shared_blocks.num_blocks == 0
+
+
+def test_a_finished_sequence_leaves_its_answer_blocks_for_the_next_turn():
+    """A conversation's next prompt is the last prompt, its answer and a new message: once the answer's
+    sequence is freed, its full blocks past the prompt are shared as well as the prompt's."""
+    e = engine()
+    prompt = [1, 2, 3, 4, 5, 6]
+    seq, _ = loaded(e, prompt)
+    seq.tokens = prompt + [7, 8, 9, 10, 11]  # 5 tokens generated; the KV of all but the last is written
+    e.kv_cache.write_tokens(seq.block_table, kv_of(seq.tokens[:10])[:, :, 6:], first=6)
+    seq.finish_reason = "length"
+    e._list_generated_blocks(seq)
+    e.scheduler.allocator.free(seq.block_table)
+    next_turn, shared = loaded(e, seq.tokens + [12, 13])
+    assert shared == 2 * BLOCK  # tokens 0-7: block 0 from the prompt, block 1 from the answer
+    assert torch.equal(e.kv_cache.gather([next_turn.block_table], [13])[:, :, 0], kv_of(seq.tokens + [12, 13]))
 
 
 def test_other_salts_and_other_positions_share_nothing():
