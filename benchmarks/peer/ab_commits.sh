@@ -6,6 +6,7 @@
 #   bash benchmarks/peer/ab_commits.sh a8ef48a bfloat16 4 "1 2"
 #
 # Prints "label seed TTFT_p50_ms TPOT_p50_ms output_tok_s" per run; JSONs in $OUT (default /tmp/ab).
+# BENCH_ARGS are passed to the measured `vllm bench serve` runs, e.g. "--random-prefix-len 768 --num-prompts 40".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -24,7 +25,7 @@ run() {  # LABEL SOURCE_DIR SEED: the source dir's code runs (python -m from its
   bash "$PEER_BENCH/bench.sh" http://127.0.0.1:8000 distserve-small "$MODEL_DIR" inf "$OUT/warmup.json" \
     --num-prompts 8 --seed 1000 >/dev/null
   bash "$PEER_BENCH/bench.sh" http://127.0.0.1:8000 distserve-small "$MODEL_DIR" "$RATE" "$OUT/$1_$3.json" \
-    --seed "$3" >/dev/null
+    --seed "$3" ${BENCH_ARGS:-} >/dev/null
   pkill -f "distserve.cli up"; sleep 4
   python3 -c "import json; d=json.load(open('$OUT/$1_$3.json')); print('$1', $3, round(d['median_ttft_ms'], 1), \
 round(d['median_tpot_ms'], 1), round(d['output_throughput'], 1))"
