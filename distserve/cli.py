@@ -244,12 +244,56 @@ def _up(args) -> int:
 def _status(args) -> int:
     from distserve.status import collect, render
 
-    try:
-        state = cluster_state.read(args.state_file)
-    except FileNotFoundError:
-        print(f"error: no running `distserve up` found ({args.state_file} does not exist)", file=sys.stderr)
+    state = _read_state(args.state_file)
+    if state is None:
         return 1
     print(render(asyncio.run(collect(state, cluster_state.redis_url(state)))))
+    return 0
+
+
+def _read_state(path: Path) -> dict | None:
+    try:
+        return cluster_state.read(path)
+    except FileNotFoundError:
+        print(f"error: no running `distserve up` found ({path} does not exist)", file=sys.stderr)
+        return None
+
+
+def _drain(args) -> int:
+    import grpc
+
+    from distserve import rolling
+
+    state = _read_state(args.state_file)
+    if state is None:
+        return 1
+    failed = 0
+    for name in args.names:
+        try:
+            drained = asyncio.run(rolling.drain(state, name, args.reason))
+        except KeyError:
+            print(f"error: {name}: no such gRPC service in this `distserve up` (see `distserve status`)",
+                  file=sys.stderr)
+            failed += 1
+            continue
+        except grpc.aio.AioRpcError as exc:
+            print(f"error: {name}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{name}: {'already ' if drained.already_draining else ''}draining: deregistered, accepting calls for "
+              f"{drained.drain_s:g} s, then finishing them for up to {drained.grace_s:g} s (the rest migrate)")
+    return 1 if failed else 0
+
+
+def _restart(args) -> int:
+    from distserve import rolling
+
+    if _read_state(args.state_file) is None:
+        return 1
+    roles = tuple(args.role or ("prefill", "decode", "colocated"))
+    names = asyncio.run(rolling.rolling_restart(args.state_file, roles, "distserve restart",
+                                                lambda text: print(text, flush=True)))
+    print(f"restarted {len(names)} worker(s)" if names else "no worker of those roles")
     return 0
 
 
@@ -317,6 +361,17 @@ def main(argv: list[str] | None = None) -> int:
                                                 "restarts, health and load (Redis URL: env DISTSERVE_REDIS_URL "
                                                 "when it has a password)")
     status.add_argument("--state-file", type=Path, default=cluster_state.default_path())
+    drain = commands.add_parser("drain", help="drain services of a running `distserve up` by name (as `status` "
+                                              "lists them): they deregister, finish or migrate their work, "
+                                              "exit, and the supervisor starts them again")
+    drain.add_argument("names", nargs="+", metavar="NAME")
+    drain.add_argument("--reason", default="distserve drain")
+    drain.add_argument("--state-file", type=Path, default=cluster_state.default_path())
+    restart = commands.add_parser("restart", help="rolling restart of a running `distserve up`'s workers: "
+                                                  "drain one, wait until it is back, then the next")
+    restart.add_argument("--role", action="append", choices=("prefill", "decode", "colocated"),
+                         help="only workers of this role (repeatable; default: all)")
+    restart.add_argument("--state-file", type=Path, default=cluster_state.default_path())
     demo = commands.add_parser("demo", help="start everything, stream one answer, stop")
     _add_cluster_args(demo)
     demo.add_argument("prompt", nargs="?", default="Once upon a time")
@@ -336,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in tools:
             return tools[args.command](args)
-        commands = {"up": _up, "status": _status, "demo": _demo, "generate": _generate, "trace": _trace}
+        commands = {"up": _up, "status": _status, "drain": _drain, "restart": _restart, "demo": _demo,
+                    "generate": _generate, "trace": _trace}
         return commands[args.command](args)
     except ConfigError as exc:  # e.g. --cpus naming cores this machine lacks
         parser.error(str(exc))

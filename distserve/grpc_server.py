@@ -1,7 +1,7 @@
 """Running a gRPC service: health, reflection, graceful SIGTERM, optional mutual TLS; one place for every
 service, and the one place that opens channels to them.
 
-Lifecycle: bind -> start -> health SERVING -> on_ready() -> wait for SIGTERM/SIGINT
+Lifecycle: bind -> start -> health SERVING -> on_ready() -> wait for SIGTERM/SIGINT or a Drain call
 -> health NOT_SERVING -> on_shutdown() (deregister) -> drain_s still accepting calls
 -> server.stop(grace) lets in-flight calls finish -> return.
 
@@ -24,6 +24,8 @@ from grpc_reflection.v1alpha import reflection
 
 from distserve import tracing
 from distserve.config import ConfigError, setting
+from distserve.drain_service import DrainServicer
+from distserve.v1 import lifecycle_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +161,8 @@ async def run_grpc_server(
     max_receive_bytes: int = INTERNAL_MAX_RECEIVE_BYTES,
     peer_roles: frozenset[str] | None = None,
 ) -> None:
-    """Serves until SIGTERM/SIGINT (or stop_event). on_ready gets the bound port.
+    """Serves until SIGTERM/SIGINT, a LifecycleService Drain call (distserve.drain_service), or stop_event.
+    on_ready gets the bound port.
 
     After on_shutdown (deregistration) the server keeps accepting calls for drain_s, so requests
     routed to it just before it left the registry still land; then it stops taking new calls and
@@ -175,6 +178,10 @@ async def run_grpc_server(
     server = grpc.aio.server(options=options, interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    stop = stop_event or asyncio.Event()
+    services = [*services, Service(lifecycle_pb2_grpc.add_LifecycleServiceServicer_to_server,
+                                   DrainServicer(stop, drain_s, grace_s, admin_only=tls.is_tls and tls.tls_check_roles),
+                                   "distserve.v1.LifecycleService")]
     for service in services:
         service.add(service.servicer, server)
     names = [s.full_name for s in services]
@@ -189,7 +196,6 @@ async def run_grpc_server(
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on port %d (%s)", ",".join(names), port, "mutual TLS" if tls.is_tls else "plaintext")
-    stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

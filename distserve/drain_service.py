@@ -1,0 +1,34 @@
+"""The LifecycleService every distserve gRPC server mounts (distserve.grpc_server): a Drain call starts
+the same graceful stop as SIGTERM (deregister, accept calls for drain_s, finish in-flight ones for
+grace_s, exit 0), so an operator or an orchestrator can drain one server without a signal, from
+another host. Where certificates carry roles, only the admin role may drain (distserve.peer_roles)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from distserve.peer_roles import ADMIN_ROLE, peer_role
+from distserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DrainServicer(lifecycle_pb2_grpc.LifecycleServiceServicer):
+    def __init__(self, stop: asyncio.Event, drain_s: float, grace_s: float, admin_only: bool):
+        """stop: the event that SIGTERM sets; admin_only: refuse callers whose certificate is not admin's."""
+        self._stop = stop
+        self._drain_s, self._grace_s = drain_s, grace_s
+        self._admin_only = admin_only
+
+    async def Drain(self, request, context):
+        if self._admin_only and peer_role(context) != ADMIN_ROLE:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"only the {ADMIN_ROLE} role may drain a server (peer role: "
+                                f"{peer_role(context) or '(none)'})")
+        already = self._stop.is_set()
+        log.warning("drain requested by %s: %s", context.peer(), request.reason or "no reason given")
+        self._stop.set()
+        return lifecycle_pb2.DrainResponse(drain_s=self._drain_s, grace_s=self._grace_s, already_draining=already)
