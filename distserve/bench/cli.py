@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF folder whose tokenizer gives the vocabulary size for random prompts "
                              "(default: --model or the served model's root when a local folder, else 32000)")
     parser.add_argument("--rates", default="1,2,4", help="request rates per second, comma-separated; inf allowed")
-    parser.add_argument("--num-prompts", type=int, default=50, help="requests per rate")
+    parser.add_argument("--num-prompts", type=int, default=50, help="requests per rate (per repeat)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per rate, each with its own prompts and arrivals; results pool them and "
+                             "keep each one's attainment for the spread (error bars, goodput per repeat)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", default="fixed", choices=workload.WORKLOADS,
                         help="fixed lengths, or a mix shaped like ShareGPT (chat), HumanEval (code), "
@@ -113,6 +116,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--out: a folder for results.json is required")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts: must be at least 1, got {args.num_prompts}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
     if args.prefix_len < 0:
         raise ValueError(f"--prefix-len: must be >= 0, got {args.prefix_len}")
     if args.workload == workload.MULTI_TURN:
@@ -140,21 +145,26 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         endpoint = Endpoint(url, card["id"], args.api_key)
         vocab_size = _vocab_size(args, card)
         summaries = []
-        for run, rate in enumerate(rates):  # each rate draws prompts the server has never seen
-            if multi_turn:
-                records, duration_s = await _run_chats(session, endpoint, args, vocab_size, run, rate)
-            else:
-                prompts = workload.synthetic_prompts(lengths, vocab_size, args.seed, run, args.prefix_len)
-                requests = [BenchRequest(p, out_len) for p, (_, out_len) in zip(prompts, lengths)]
-                arrivals = workload.poisson_arrivals(rate, len(requests), args.seed)
-                records, duration_s = await run_rate(session, endpoint, requests, arrivals, desc=f"rate {rate:g}")
-            summaries.append(stats.summarize_rate(rate, duration_s, records, args.slo_ttft_ms / 1000,
-                                                  args.slo_tpot_ms / 1000, *_seconds(args.slo_itl_p99_ms,
-                                                                                     args.slo_stall_ms)))
+        for index, rate in enumerate(rates):
+            runs = []
+            for repeat in range(args.repeats):  # each run draws prompts the server has never seen
+                run, arrival_seed = index * args.repeats + repeat, args.seed + repeat
+                if multi_turn:
+                    records, duration_s = await _run_chats(session, endpoint, args, vocab_size, run, rate,
+                                                           arrival_seed)
+                else:
+                    prompts = workload.synthetic_prompts(lengths, vocab_size, args.seed, run, args.prefix_len)
+                    requests = [BenchRequest(p, out_len) for p, (_, out_len) in zip(prompts, lengths)]
+                    arrivals = workload.poisson_arrivals(rate, len(requests), arrival_seed)
+                    desc = f"rate {rate:g}" + (f" ({repeat + 1}/{args.repeats})" if args.repeats > 1 else "")
+                    records, duration_s = await run_rate(session, endpoint, requests, arrivals, desc=desc)
+                runs.append((duration_s, records))
+            summaries.append(stats.summarize_repeats(rate, runs, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
+                                                     *_seconds(args.slo_itl_p99_ms, args.slo_stall_ms)))
     fixed = args.workload == "fixed"
     spec = {"name": args.workload, "input_len": args.input_len if fixed else None,
             "output_len": args.output_len if fixed else None, "num_prompts": args.num_prompts, "seed": args.seed,
-            "prefix_len": args.prefix_len}
+            "prefix_len": args.prefix_len, "repeats": args.repeats}
     if multi_turn:
         spec.update(dataclasses.asdict(_chat_shape(args)), num_prompts=args.conversations * args.turns)
     label = args.label or Path(args.out).resolve().name
@@ -172,11 +182,11 @@ def _chat_shape(args: argparse.Namespace) -> conversations.ChatShape:
 
 
 async def _run_chats(session, endpoint: Endpoint, args: argparse.Namespace, vocab_size: int, run: int,
-                     rate: float):
-    """One rate of the multi-turn workload: `rate` conversations started per second."""
+                     rate: float, arrival_seed: int):
+    """One run of the multi-turn workload: `rate` conversations started per second."""
     shape = _chat_shape(args)
     chats = conversations.sample_conversations(shape, vocab_size, args.seed, run)
-    arrivals = workload.poisson_arrivals(rate, len(chats), args.seed)
+    arrivals = workload.poisson_arrivals(rate, len(chats), arrival_seed)
     return await conversations.run_conversations(session, endpoint, chats, arrivals, shape)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from distserve.bench.stats import ATTAINMENT_TARGET, rate_from_json
+from distserve.bench.stats import ATTAINMENT_TARGET, attainment_spread, rate_from_json
 
 
 def _inf_position(runs: list[dict[str, Any]]) -> float:
@@ -40,8 +40,13 @@ def plot_attainment(runs: list[dict[str, Any]], path: Path | str) -> None:
         rates = [rate_from_json(r["rate"]) for r in run["rates"]]
         xs = [inf_x if math.isinf(r) else r for r in rates]
         ticks.update({x: "inf" if math.isinf(r) else f"{r:g}" for x, r in zip(xs, rates)})
-        points = sorted(zip(xs, (100 * r["attainment"] for r in run["rates"])))
-        (line,) = ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=run["label"])
+        points = sorted(zip(xs, (100 * r["attainment"] for r in run["rates"]),
+                            (attainment_spread(r) for r in run["rates"])))
+        (line,) = ax.plot([x for x, _, _ in points], [y for _, y, _ in points], marker="o", label=run["label"])
+        if any("repeats" in r for r in run["rates"]):  # error bars: the lowest and highest repeat
+            ax.errorbar([x for x, _, _ in points], [y for _, y, _ in points],
+                        yerr=[[y - 100 * low for _, y, (low, _) in points], [100 * high - y for _, y, (_, high) in points]],
+                        fmt="none", ecolor=line.get_color(), capsize=3)
         bound = ">= " if run["goodput_is_lower_bound"] else ""
         ax.axvline(run["goodput_rps"], color=line.get_color(), linestyle=":", linewidth=1)
         ax.plot([run["goodput_rps"]], [100 * ATTAINMENT_TARGET], marker="*", markersize=12, color=line.get_color(),

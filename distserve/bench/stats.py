@@ -165,6 +165,30 @@ def summarize_rate(rate: float, duration_s: float, records: Sequence[RequestReco
     }
 
 
+def summarize_repeats(rate: float, runs: Sequence[tuple[float, Sequence[RequestRecord]]], slo_ttft_s: float,
+                      slo_tpot_s: float, slo_itl_p99_s: float | None = None,
+                      slo_stall_s: float | None = None) -> dict[str, Any]:
+    """summarize_rate over every repeat of one rate pooled (runs: (duration_s, records) per repeat; the
+    pooled attainment is the repeats' mean, as each sends as many requests), and with more than one
+    repeat, `repeats`: each one's own attainment, throughput and medians, for the spread."""
+    pooled = summarize_rate(rate, sum(d for d, _ in runs), [r for _, records in runs for r in records],
+                            slo_ttft_s, slo_tpot_s, slo_itl_p99_s, slo_stall_s)
+    if len(runs) > 1:
+        pooled["repeats"] = []
+        for duration_s, records in runs:
+            one = summarize_rate(rate, duration_s, records, slo_ttft_s, slo_tpot_s, slo_itl_p99_s, slo_stall_s)
+            pooled["repeats"].append({"duration_s": duration_s, "attainment": one["attainment"],
+                                      "output_throughput": one["output_throughput"],
+                                      "ttft_p50_ms": one["ttft_ms"]["p50"], "tpot_p50_ms": one["tpot_ms"]["p50"]})
+    return pooled
+
+
+def attainment_spread(rate_summary: dict[str, Any]) -> tuple[float, float]:
+    """(lowest, highest) attainment over a rate's repeats; the pooled value twice when it had one."""
+    values = [r["attainment"] for r in rate_summary.get("repeats", ())] or [rate_summary["attainment"]]
+    return min(values), max(values)
+
+
 def results_document(label: str, url: str, model: str, workload: dict[str, Any], slo_ttft_ms: float,
                      slo_tpot_ms: float, rates: list[dict[str, Any]], slo_itl_p99_ms: float | None = None,
                      slo_stall_ms: float | None = None) -> dict[str, Any]:
@@ -173,8 +197,14 @@ def results_document(label: str, url: str, model: str, workload: dict[str, Any],
     slo = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms,
            **({"itl_p99_ms": slo_itl_p99_ms} if slo_itl_p99_ms is not None else {}),
            **({"stall_ms": slo_stall_ms} if slo_stall_ms is not None else {})}
-    return {"label": label, "url": url, "model": model, "workload": workload, "slo": slo,
-            "goodput_rps": found.rps, "goodput_is_lower_bound": found.is_lower_bound, "rates": rates}
+    document = {"label": label, "url": url, "model": model, "workload": workload, "slo": slo,
+                "goodput_rps": found.rps, "goodput_is_lower_bound": found.is_lower_bound, "rates": rates}
+    num_repeats = min((len(r.get("repeats", ())) for r in rates), default=0)
+    if num_repeats > 1:  # goodput read off each repeat's own curve: the spread of the pooled figure
+        each = [goodput([rate_from_json(r["rate"]) for r in rates], [r["repeats"][i]["attainment"] for r in rates])
+                for i in range(num_repeats)]
+        document["goodput_repeats_rps"] = [g.rps for g in each]
+    return document
 
 
 def _ms(value: float | None) -> str:
@@ -192,9 +222,16 @@ def format_summary(results: dict[str, Any]) -> str:
         lines.append(f"{rate_from_json(r['rate']):>7g} {str(r['num_ok']) + '/' + str(r['num_requests']):>9} "
                      f"{_ms(ttft['p50']):>12} {_ms(ttft['p90']):>7} {_ms(ttft['p99']):>7} {_ms(tpot['p50']):>12} "
                      f"{_ms(tpot['p90']):>7} {_ms(tpot['p99']):>7} {_ms(itl):>8} {_ms(stall):>10} "
-                     f"{r['attainment'] * 100:>6.1f}%")
+                     f"{r['attainment'] * 100:>6.1f}%{_spread(r)}")
     lines.append(goodput_line(results))
     return "\n".join(lines)
+
+
+def _spread(rate_summary: dict[str, Any]) -> str:
+    if "repeats" not in rate_summary:
+        return ""
+    low, high = attainment_spread(rate_summary)
+    return f" ({low * 100:.0f}-{high * 100:.0f}% over {len(rate_summary['repeats'])} repeats)"
 
 
 def goodput_line(results: dict[str, Any]) -> str:
@@ -202,5 +239,7 @@ def goodput_line(results: dict[str, Any]) -> str:
     bound = ">= " if results["goodput_is_lower_bound"] else ""
     extra = "".join(f", {name} <= {slo[key]:g} ms" for key, name in (("itl_p99_ms", "ITL p99"), ("stall_ms", "stall"))
                     if key in slo)
+    each = results.get("goodput_repeats_rps")
+    spread = f"; per repeat {min(each):.2f}-{max(each):.2f}" if each else ""
     return (f"goodput: {bound}{results['goodput_rps']:.2f} req/s at {ATTAINMENT_TARGET:.0%} attainment "
-            f"(TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms{extra})")
+            f"(TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms{extra}){spread}")

@@ -169,7 +169,7 @@ def test_cli_run_writes_results_charts_and_compares(server, tmp_path, capsys):
     doc = json.loads((out / "results.json").read_text())
     assert (doc["label"], doc["model"], doc["url"]) == ("disagg", "fake", server.url)
     assert doc["workload"] == {"name": "fixed", "input_len": "5-9", "output_len": "3", "num_prompts": 3, "seed": 0,
-                               "prefix_len": 0}
+                               "prefix_len": 0, "repeats": 1}
     assert [r["rate"] for r in doc["rates"]] == ["inf", 20.0]  # run in the given order
     assert all(r["attainment"] == 1.0 and r["num_ok"] == 3 for r in doc["rates"])
     assert (doc["goodput_rps"], doc["goodput_is_lower_bound"]) == (20.0, True)
@@ -185,3 +185,19 @@ def test_cli_run_writes_results_charts_and_compares(server, tmp_path, capsys):
     assert printed.count(">= 20.00") == 2 and (tmp_path / "cmp" / "attainment.png").stat().st_size > 0
     assert cli.main(["--compare", str(out)]) == 0  # no --out: the table only
     assert capsys.readouterr().out.splitlines()[1].split() == ["disagg", ">=", "20.00", "5000/5000"]
+
+
+def test_cli_repeats_send_new_prompts_each_time_and_record_each_ones_attainment(server, tmp_path, capsys):
+    out = tmp_path / "repeated"
+    argv = ["--url", server.url, "--rates", "20", "--num-prompts", "3", "--input-len", "5", "--output-len", "3",
+            "--repeats", "2", "--out", str(out), "--slo-ttft-ms", "5000", "--slo-tpot-ms", "5000"]
+    assert cli.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    (rate,) = doc["rates"]
+    assert rate["num_requests"] == 6 and [r["attainment"] for r in rate["repeats"]] == [1.0, 1.0]
+    assert doc["goodput_repeats_rps"] == [20.0, 20.0]
+    assert len({str(b["prompt"]) for b in server.bodies}) == 6  # every repeat's prompts are new
+    printed = capsys.readouterr().out
+    assert "(100-100% over 2 repeats)" in printed and "per repeat 20.00-20.00" in printed
+    assert cli.main(["--repeats", "0", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("error: --repeats: ")

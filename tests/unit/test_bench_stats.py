@@ -15,6 +15,7 @@ from distserve.bench.stats import (
     latency_ms,
     results_document,
     summarize_rate,
+    summarize_repeats,
 )
 
 SLO_TTFT_S, SLO_TPOT_S = 0.2, 0.05
@@ -113,3 +114,18 @@ def test_itl_counts_each_chunks_gap_once_per_token_and_stalls_fail_their_slo():
     summary = summarize_rate(1.0, 3.0, [stalled], SLO_TTFT_S, SLO_TPOT_S, slo_stall_s=0.3)
     assert summary["attainment"] == 0.0 and summary["max_stall_ms"]["p50"] == pytest.approx(500.0)
     assert summary["itl_ms"]["mean"] == pytest.approx(sum(gaps) / len(gaps) * 1000)
+
+
+def test_repeats_pool_their_requests_and_keep_each_ones_attainment_and_goodput():
+    good, bad = trace()[:2], trace()[2:4]  # attainment 1.0 and 0.0
+    low = summarize_repeats(1.0, [(5.0, good), (5.0, good)], SLO_TTFT_S, SLO_TPOT_S)
+    high = summarize_repeats(2.0, [(2.0, good), (2.0, bad)], SLO_TTFT_S, SLO_TPOT_S)
+    assert high["num_requests"] == 4 and high["attainment"] == 0.5  # pooled: the repeats' mean
+    assert [r["attainment"] for r in high["repeats"]] == [1.0, 0.0]
+    assert high["output_throughput"] == pytest.approx(4 * 11 / 4.0)  # every ok token over both durations
+    doc = results_document("x", "http://x", "m", {}, 200, 50, [low, high])
+    # pooled: 1.0 then 0.5 crosses 0.9 at 1.2 req/s; per repeat: >= 2.0 (never misses), and 1.0 + 0.1 / 1.0
+    assert doc["goodput_rps"] == pytest.approx(1.2)
+    assert doc["goodput_repeats_rps"] == pytest.approx([2.0, 1.1])
+    assert "(0-100% over 2 repeats)" in format_summary(doc) and "per repeat 1.10-2.00" in format_summary(doc)
+    assert "repeats" not in summarize_repeats(1.0, [(5.0, good)], SLO_TTFT_S, SLO_TPOT_S)
