@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from distserve.bench import conversations, plots, stats, workload
+from distserve.bench import adaptive, conversations, plots, stats, workload
 from distserve.bench.client import (
     BenchRequest,
     Endpoint,
@@ -40,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="HF folder whose tokenizer gives the vocabulary size for random prompts "
                              "(default: --model or the served model's root when a local folder, else 32000)")
-    parser.add_argument("--rates", default="1,2,4", help="request rates per second, comma-separated; inf allowed")
+    parser.add_argument("--rates", default="1,2,4",
+                        help="request rates per second, comma-separated, inf allowed; or auto: from --auto-start, "
+                             "doubled until the SLO attainment target is missed, then bisected around that knee")
+    parser.add_argument("--auto-start", type=float, default=0.5, help="--rates auto: the first rate (req/s)")
     parser.add_argument("--num-prompts", type=int, default=50, help="requests per rate (per repeat)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per rate, each with its own prompts and arrivals; results pool them and "
@@ -88,7 +91,7 @@ def parse_rates(text: str) -> list[float]:
     except ValueError:
         rates = []
     if not rates or not all(rate > 0 for rate in rates):
-        raise ValueError(f"--rates: expected comma-separated rates > 0 (inf allowed), got {text!r}")
+        raise ValueError(f"--rates: expected comma-separated rates > 0 (inf allowed), or auto; got {text!r}")
     return rates
 
 
@@ -135,7 +138,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    rates = parse_rates(args.rates)
+    auto = args.rates.strip() == "auto"
+    if auto and not args.auto_start > 0:
+        raise ValueError(f"--auto-start: must be > 0, got {args.auto_start}")
+    fixed_rates = [] if auto else parse_rates(args.rates)
     url = args.url.rstrip("/")
     multi_turn = args.workload == workload.MULTI_TURN
     lengths = [] if multi_turn else workload.sample_lengths(args.workload, args.num_prompts, args.seed,
@@ -145,7 +151,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         endpoint = Endpoint(url, card["id"], args.api_key)
         vocab_size = _vocab_size(args, card)
         summaries = []
-        for index, rate in enumerate(rates):
+        index = 0
+        while (rate := _next_rate(auto, fixed_rates, summaries, args.auto_start, index)) is not None:
             runs = []
             for repeat in range(args.repeats):  # each run draws prompts the server has never seen
                 run, arrival_seed = index * args.repeats + repeat, args.seed + repeat
@@ -161,6 +168,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append((duration_s, records))
             summaries.append(stats.summarize_repeats(rate, runs, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000,
                                                      *_seconds(args.slo_itl_p99_ms, args.slo_stall_ms)))
+            index += 1
     fixed = args.workload == "fixed"
     spec = {"name": args.workload, "input_len": args.input_len if fixed else None,
             "output_len": args.output_len if fixed else None, "num_prompts": args.num_prompts, "seed": args.seed,
@@ -170,6 +178,14 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     label = args.label or Path(args.out).resolve().name
     return stats.results_document(label, url, endpoint.model, spec, args.slo_ttft_ms, args.slo_tpot_ms, summaries,
                                   args.slo_itl_p99_ms, args.slo_stall_ms)
+
+
+def _next_rate(auto: bool, fixed: list[float], summaries: list[dict[str, Any]], start: float,
+               index: int) -> float | None:
+    if not auto:
+        return fixed[index] if index < len(fixed) else None
+    measured = [(stats.rate_from_json(s["rate"]), s["attainment"]) for s in summaries]
+    return adaptive.next_rate(measured, stats.ATTAINMENT_TARGET, start)
 
 
 def _seconds(*values_ms: float | None) -> list[float | None]:

@@ -201,3 +201,13 @@ def test_cli_repeats_send_new_prompts_each_time_and_record_each_ones_attainment(
     assert "(100-100% over 2 repeats)" in printed and "per repeat 20.00-20.00" in printed
     assert cli.main(["--repeats", "0", "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.startswith("error: --repeats: ")
+
+
+def test_cli_auto_rates_double_from_the_start_while_the_slos_hold(server, tmp_path):
+    out = tmp_path / "auto"
+    argv = ["--url", server.url, "--rates", "auto", "--auto-start", "64", "--num-prompts", "3", "--input-len", "5",
+            "--output-len", "3", "--out", str(out), "--slo-ttft-ms", "5000", "--slo-tpot-ms", "5000"]
+    assert cli.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [r["rate"] for r in doc["rates"]] == [64.0, 128.0, 256.0]  # 512 is past the search's ceiling
+    assert (doc["goodput_rps"], doc["goodput_is_lower_bound"]) == (256.0, True)
