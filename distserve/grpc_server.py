@@ -104,6 +104,15 @@ class TlsConfig:
 PLAINTEXT = TlsConfig()
 
 
+@dataclasses.dataclass(frozen=True)
+class GrpcServerConfig(TlsConfig):
+    """What every gRPC server's config holds beside TLS: its limits."""
+
+    max_concurrent_streams: int = setting(MAX_CONCURRENT_STREAMS, "concurrent calls one client connection may "
+                                          "have open (HTTP/2 streams); the gateway's and router's multiplexed "
+                                          "sessions carry many calls in one", env="DISTSERVE_MAX_CONCURRENT_STREAMS")
+
+
 def bind(server: grpc.aio.Server, address: str, tls: TlsConfig) -> int:
     """Adds the listening port (TLS requiring client certificates, or plaintext); returns it, 0 on failure."""
     if not tls.is_tls:
@@ -160,6 +169,7 @@ async def run_grpc_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_receive_bytes: int = INTERNAL_MAX_RECEIVE_BYTES,
     peer_roles: frozenset[str] | None = None,
+    max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
 ) -> None:
     """Serves until SIGTERM/SIGINT, a LifecycleService Drain call (distserve.drain_service), or stop_event.
     on_ready gets the bound port.
@@ -167,14 +177,17 @@ async def run_grpc_server(
     After on_shutdown (deregistration) the server keeps accepting calls for drain_s, so requests
     routed to it just before it left the registry still land; then it stops taking new calls and
     lets in-flight ones finish for up to grace_s. A message over max_receive_bytes fails its call with
-    RESOURCE_EXHAUSTED. With tls.tls_check_roles, only clients whose certificates name one of peer_roles
+    RESOURCE_EXHAUSTED; a client connection may have max_concurrent_streams calls open. With tls.tls_check_roles, only clients whose certificates name one of peer_roles
     may call (distserve.peer_roles); None: any certificate from the CA.
     """
     if tls.is_tls and tls.tls_check_roles and peer_roles is not None:
         from distserve.peer_roles import PeerRoleInterceptor
         interceptors = [PeerRoleInterceptor(peer_roles), *interceptors]
-    options = [(key, value) for key, value in SERVER_OPTIONS if key != "grpc.max_receive_message_length"]
-    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    if max_concurrent_streams < 1:
+        raise ConfigError(f"max_concurrent_streams: must be >= 1, got {max_concurrent_streams}")
+    per_server = {"grpc.max_receive_message_length": max_receive_bytes,
+                  "grpc.max_concurrent_streams": max_concurrent_streams}
+    options = [(key, value) for key, value in SERVER_OPTIONS if key not in per_server] + list(per_server.items())
     server = grpc.aio.server(options=options, interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

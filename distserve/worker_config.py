@@ -12,12 +12,12 @@ from distserve.config import require, setting
 from distserve.cpus import parse_cpu_list
 from distserve.engine.default_model import MODEL_HELP
 from distserve.engine.dtype import DTYPE_CHOICES
-from distserve.grpc_server import TlsConfig
+from distserve.grpc_server import GrpcServerConfig
 from distserve.prefix_config import PrefixCacheConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerConfig(PrefixCacheConfig, TlsConfig):
+class WorkerConfig(PrefixCacheConfig, GrpcServerConfig):
     ROLE: ClassVar[str] = "worker"  # names the default worker id: <role>-<advertise_host>-<port>
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from distserve.grpc_server import PLAINTEXT, Service, TlsConfig, run_grpc_server
+from distserve.grpc_server import MAX_CONCURRENT_STREAMS, PLAINTEXT, Service, TlsConfig, run_grpc_server
 from distserve.peer_roles import WORKER_CALLERS
 from distserve.registry import WorkerRecord, WorkerRegistry, heartbeat
 
@@ -28,6 +28,7 @@ async def serve_worker(
     grace_s: float,
     drain_s: float,
     tls: TlsConfig = PLAINTEXT,
+    max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
 ) -> None:
     """Serves until SIGTERM; `loops` are started once the server is up and cancelled at exit. Each of
     `make_records` is one registry entry (a worker serving two roles has two), heartbeated on its own."""
@@ -49,7 +50,7 @@ async def serve_worker(
 
     try:
         await run_grpc_server(address, services, on_ready, on_shutdown, grace_s=grace_s, drain_s=drain_s,
-                              tls=tls, peer_roles=WORKER_CALLERS)
+                              tls=tls, peer_roles=WORKER_CALLERS, max_concurrent_streams=max_concurrent_streams)
     finally:
         await stop_tasks(tasks + beat)
 

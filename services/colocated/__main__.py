@@ -67,7 +67,8 @@ async def serve(config: ColocatedConfig) -> None:
              engine.decode.usage().num_blocks, engine.max_batch_tokens, path)
     try:
         await serve_worker(f"{config.host}:{config.port}", [service], registry, [record], config.heartbeat_s,
-                           [engine.run], config.grace_s, config.drain_s, tls=config)
+                           [engine.run], config.grace_s, config.drain_s, tls=config,
+                           max_concurrent_streams=config.max_concurrent_streams)
     finally:
         await redis.aclose()
         shutdown_tracing()

@@ -117,7 +117,8 @@ async def serve(config: DecodeConfig) -> None:
     try:
         await serve_worker(f"{config.host}:{config.port}", services, registry, records, config.heartbeat_s,
                            [loop, lambda: preconnect(registry, receiver, config.heartbeat_s)],
-                           config.grace_s, config.drain_s, tls=config)
+                           config.grace_s, config.drain_s, tls=config,
+                           max_concurrent_streams=config.max_concurrent_streams)
     finally:
         await receiver.close()
         connector.shutdown("ucx")

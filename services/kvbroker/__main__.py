@@ -26,7 +26,8 @@ async def serve(config: KvBrokerConfig) -> None:
     service = Service(kvbroker_pb2_grpc.add_KvBrokerServiceServicer_to_server, servicer,
                       "distserve.v1.KvBrokerService")
     try:
-        await run_grpc_server(f"{config.host}:{config.port}", [service], tls=config, peer_roles=BROKER_CALLERS)
+        await run_grpc_server(f"{config.host}:{config.port}", [service], tls=config, peer_roles=BROKER_CALLERS,
+                              max_concurrent_streams=config.max_concurrent_streams)
     finally:
         await redis.aclose()
         shutdown_tracing()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from distserve.config import require, setting
-from distserve.grpc_server import TlsConfig
+from distserve.grpc_server import GrpcServerConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class KvBrokerConfig(TlsConfig):
+class KvBrokerConfig(GrpcServerConfig):
     """kvbroker: keeps KV handle metadata (owner, layout, state, lease) in Redis."""
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")

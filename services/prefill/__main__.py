@@ -123,7 +123,8 @@ async def serve(config: PrefillConfig) -> None:
     try:
         await serve_worker(f"{config.host}:{config.port}", services, registry, records, config.heartbeat_s,
                            [loop, held.run_expiry, lambda: follow_releases(redis, worker_id, held)],
-                           config.grace_s, config.drain_s, tls=config)
+                           config.grace_s, config.drain_s, tls=config,
+                           max_concurrent_streams=config.max_concurrent_streams)
     finally:
         sender.stop()
         connector.shutdown("ucx")

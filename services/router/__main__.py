@@ -52,6 +52,7 @@ async def serve(config: RouterConfig) -> None:
     try:
         await run_grpc_server(f"{config.host}:{config.port}", [service], on_ready, tls=config,
                               max_receive_bytes=int(config.max_request_mb * 2**20),
+                              max_concurrent_streams=config.max_concurrent_streams,
                               interceptors=[BearerKeyInterceptor(config.api_key)] if config.api_key else [])
     finally:
         for task in tasks:

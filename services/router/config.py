@@ -6,12 +6,12 @@ import dataclasses
 
 from distserve.bearer_key import ApiKeyConfig
 from distserve.config import require, setting
-from distserve.grpc_server import TlsConfig
+from distserve.grpc_server import GrpcServerConfig
 from distserve.spill_policy import SpillPolicy
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterConfig(TlsConfig, ApiKeyConfig):
+class RouterConfig(GrpcServerConfig, ApiKeyConfig):
     """router: public streaming Generate API in front of prefill and decode workers. With an API key
     (the gateway's: DISTSERVE_API_KEY) every call but health checks must present it."""
 
