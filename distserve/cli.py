@@ -286,13 +286,20 @@ def _drain(args) -> int:
 
 
 def _restart(args) -> int:
+    import grpc
+
     from distserve import rolling
 
     if _read_state(args.state_file) is None:
         return 1
     roles = tuple(args.role or ("prefill", "decode", "colocated"))
-    names = asyncio.run(rolling.rolling_restart(args.state_file, roles, "distserve restart",
-                                                lambda text: print(text, flush=True)))
+    try:
+        names = asyncio.run(rolling.rolling_restart(args.state_file, roles, "distserve restart",
+                                                    lambda text: print(text, flush=True)))
+    except (TimeoutError, RuntimeError, grpc.aio.AioRpcError) as exc:
+        details = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        print(f"error: rolling restart stopped: {details}", file=sys.stderr)
+        return 1
     print(f"restarted {len(names)} worker(s)" if names else "no worker of those roles")
     return 0
 

@@ -211,22 +211,25 @@ class MuxCall:
         self._stream_id = stream_id
         self._response_type = response_type
         self._frames: asyncio.Queue = asyncio.Queue()
-        self._ended = False
+        self._ended = False  # cancelled, expired, or its end read
+        self._end_read = False  # its end (status or failure) was returned: every later read is EOF
         # One timer for the whole call, not one per read: a streamed token costs no timer.
         self._deadline_timer = None if deadline is None else asyncio.get_running_loop().call_later(
             max(0.0, deadline - time.monotonic()), self._expire)
 
     async def read(self):
         """The next response, or grpc.aio.EOF after the last; raises AioRpcError with the call's status."""
-        if self._ended and self._frames.empty():
+        if self._end_read or (self._ended and self._frames.empty()):
             return grpc.aio.EOF
         frame = await self._frames.get()
         if isinstance(frame, grpc.aio.AioRpcError):
             self._end()
+            self._end_read = True
             raise frame
         if frame.WhichOneof("kind") == "message":
             return self._response_type.FromString(frame.message)
         self._end()
+        self._end_read = True  # a deadline error queued behind this end is never read
         self._session.forget(self._stream_id)
         code = _STATUS_CODES.get(frame.end.code, grpc.StatusCode.UNKNOWN)
         if code != grpc.StatusCode.OK:

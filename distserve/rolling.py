@@ -53,6 +53,9 @@ async def wait_back(state_file: Path, name: str, old_pid: int, timeout_s: float)
     while True:
         state = cluster_state.read(state_file)
         child = next(c for c in state["children"] if c["name"] == name)
+        if child["state"] in ("exited", "failed"):
+            raise RuntimeError(f"{name} exited and is not being started again (state {child['state']}: is "
+                               f"`distserve up` running with --no-supervise?)")
         if child["pid"] != old_pid and child["state"] == "running":
             rows = {row.name: row for row in await collect(state, cluster_state.redis_url(state))}
             if rows[name].health == "SERVING":

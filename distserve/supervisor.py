@@ -73,6 +73,7 @@ class _Track:
     restart_at: float | None = None  # when a pending restart is due
     recent: collections.deque = dataclasses.field(default_factory=collections.deque)  # restart times
     answered_at: float | None = None  # the last health probe it answered since it (re)started
+    drained: bool = False  # the pending restart follows a clean exit (a drain), not a failure
 
 
 def describe_exit(code: int) -> str:
@@ -162,6 +163,14 @@ class Supervisor:
             self._restart(child, track, now)
 
     def _on_exit(self, child: Supervised, track: _Track, code: int, now: float) -> None:
+        if code == 0:  # a clean exit is a drain (SIGTERM or a Drain call): start it again now, uncounted
+            if self._stop.is_set():
+                return
+            child.state = "restarting"
+            track.restart_at, track.backoff_s, track.drained = now, self.policy.initial_backoff_s, True
+            log.warning("%s exited 0 (drained); starting it again", child.name)
+            self._on_change()
+            return
         while track.recent and now - track.recent[0] > self.policy.window_s:
             track.recent.popleft()
         if len(track.recent) >= self.policy.max_restarts:
@@ -182,10 +191,12 @@ class Supervisor:
         self._respawn(child)
         child.restarts += 1
         child.state = "running"
-        track.recent.append(now)
+        if not track.drained:  # only failures count toward a crash loop and lengthen the wait
+            track.recent.append(now)
+            track.backoff_s = min(track.backoff_s * 2, self.policy.max_backoff_s)
+        track.drained = False
         track.restart_at = None
         track.started_at = now
         track.answered_at = None
-        track.backoff_s = min(track.backoff_s * 2, self.policy.max_backoff_s)
         log.warning("%s restarted (restart %d)", child.name, child.restarts)
         self._on_change()

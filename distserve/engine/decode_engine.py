@@ -100,14 +100,16 @@ class DecodeEngine:
         self.shared_blocks = SharedBlocks(scheduler.allocator) if prefix is not None else None
 
     def share_cached_prefix(self, seq: Sequence, num_tokens: int) -> int:
-        """Points the sequence's first reserved blocks at full blocks here that hold the KV of the same
-        first tokens of its prompt (of num_tokens), and frees the reserved blocks they replace. Returns
-        the tokens shared: their KV need not be pulled (load_prompt writes the rest)."""
+        """Points the sequence's first blocks at full blocks here that hold the KV of the same first tokens
+        of its prompt (of num_tokens), and frees reserved blocks they replace, if any (take them before
+        reserving the rest, so that the reservation cannot evict them). Returns the tokens shared: their
+        KV need not be pulled (load_prompt writes the rest)."""
         if self.shared_blocks is None:
             return 0
         shared = self.shared_blocks.take(self._keys(seq, num_tokens))
         if shared:
-            own, seq.block_table[:len(shared)] = seq.block_table[:len(shared)], shared
+            own = seq.block_table[:len(shared)]  # none when the rest is reserved after this
+            seq.block_table = shared + seq.block_table[len(shared):]
             self.scheduler.allocator.free(own)
         return len(shared) * self.kv_cache.block_size
 
@@ -135,17 +137,18 @@ class DecodeEngine:
         return allocator.allocate(num_blocks)
 
     async def reserve_for(self, prompt_len: int, max_tokens: int, timeout_s: float, max_waiting: int = 0,
-                          whole_life: bool = False) -> list[int]:
+                          whole_life: bool = False, held_blocks: int = 0) -> list[int]:
         """Blocks for a request (`DecodeScheduler.blocks_for`: its whole life, or its start; always its
         whole life with `whole_life`, e.g. for a request preempted once already, so it cannot be again),
-        waiting up to timeout_s for them to be free. Raises NoCapacity when this cache could never hold
-        it, on timeout, or at once when they are not free and `max_waiting` requests already wait
-        (0: no bound)."""
+        less the `held_blocks` it holds already (shared), waiting up to timeout_s for them to be free.
+        Raises NoCapacity when this cache could never hold it, on timeout, or at once when they are not
+        free and `max_waiting` requests already wait (0: no bound)."""
         allocator = self.scheduler.allocator
         whole_life_blocks = self.scheduler.blocks_for_life(prompt_len, max_tokens)
         if whole_life_blocks > allocator.num_blocks:
             raise NoCapacity(f"request needs {whole_life_blocks} KV blocks; this worker has {allocator.num_blocks}")
         needed = whole_life_blocks if whole_life else self.scheduler.blocks_for(prompt_len, max_tokens)
+        needed = max(0, needed - held_blocks)
         if max_waiting and self.num_reserving >= max_waiting and not allocator.can_allocate(needed):
             raise NoCapacity(f"KV cache is full: {allocator.num_free} blocks free, {needed} needed, and "
                              f"{self.num_reserving} requests already wait for blocks")

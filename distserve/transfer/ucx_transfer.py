@@ -185,6 +185,9 @@ class KvSender:
             return
         self._num_endpoints += 1
         header = np.empty(HEADER_BYTES, dtype=np.uint8)
+        # A pull's bytes when they are a copy (a partial pull): kept alive here until the endpoint is
+        # aborted, since a send cancelled with its coroutine may still be posted from them.
+        sending: list[np.ndarray] = []
         try:
             try:
                 await asyncio.wait_for(ep.recv(header), self._first_header_timeout_s)
@@ -194,7 +197,8 @@ class KvSender:
                 return
             while True:
                 # A puller that stops reading or acknowledging must not hold this endpoint (or the buffer) forever.
-                await asyncio.wait_for(self._serve_one(ep, _decode_header(header)), SERVE_TIMEOUT_S)
+                await asyncio.wait_for(self._serve_one(ep, _decode_header(header), sending), SERVE_TIMEOUT_S)
+                sending.clear()  # sent and acknowledged
                 await ep.recv(header)  # the next pull on this endpoint (the receiver pools it)
         except asyncio.CancelledError:  # listener shutting down
             pass
@@ -204,8 +208,9 @@ class KvSender:
         finally:
             self._num_endpoints -= 1
             ep.abort()  # cancels any send still posted from a buffer this coroutine no longer holds
+            sending.clear()
 
-    async def _serve_one(self, ep, fields: dict[str, str]) -> None:
+    async def _serve_one(self, ep, fields: dict, sending: list[np.ndarray]) -> None:
         handle_id = fields["handle_id"]
         tensor = self._lookup(handle_id)
         if tensor is None:
@@ -220,6 +225,7 @@ class KvSender:
             await ep.send(_int64(NOT_HELD))  # no such part: the puller's layout is not this buffer's
             return
         data = byte_view(tensor if from_token == 0 else tensor[:, :, from_token:].contiguous())
+        sending.append(data)
         # The span is a child of the receiver's; "done" follows its end, and the receiver waits
         # for "done", so the span always ends within its parent.
         with tracing.remote_context(fields), tracing.span("kv_transfer.send", fields.get("request_id", ""),

@@ -162,18 +162,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             with tracing.span("kv_load", rid, **{"distserve.kv.handle_id": request.kv_handle_id,
                                                  "distserve.completions": len(seqs)}):
-                # Blocks first: once claimed, the KV is pulled at once, well within the owner's lease.
-                # A request arriving with decoded tokens was moved here (maybe preempted), and n completions
-                # share blocks: both reserve their whole life, so neither can be preempted (again).
-                first.block_table = await self._reserve_blocks(
+                # Blocks first: once claimed, the KV is pulled at once, well within the owner's lease. Full
+                # blocks here that hold the prompt's first tokens are taken before reserving the rest, so the
+                # reservation never evicts them. A request arriving with decoded tokens was moved here (maybe
+                # preempted), and n completions share blocks: both reserve their whole life, so neither can be
+                # preempted (again).
+                shared = self._engine.share_cached_prefix(first, first.context_len)
+                first.block_table += await self._reserve_blocks(
                     first.context_len, first.params.max_tokens - first.num_generated + 1,
-                    len(request.output_token_ids) > 1 or len(request.starts) > 1, context)
+                    len(request.output_token_ids) > 1 or len(request.starts) > 1, context,
+                    held_blocks=len(first.block_table))
                 for seq in seqs[1:]:
                     seq.block_table = await self._reserve_exact(
                         self._engine.fork_blocks(len(prompt), seq.params.max_tokens), context)
                 handle = await self._claim(request, context)
                 owns_handle = True
-                transfer_s = await self._load_kv(handle, first, request.kv_secret, context)
+                transfer_s = await self._load_kv(handle, first, request.kv_secret, context, shared)
                 for seq in seqs[1:]:
                     self._engine.fork(first, len(prompt), seq)
             release = self._broker.release_soon(request.kv_handle_id, "received", rid)
@@ -246,23 +250,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
         return handle
 
-    async def _reserve_blocks(self, prompt_len: int, max_tokens: int, whole_life: bool, context) -> list[int]:
+    async def _reserve_blocks(self, prompt_len: int, max_tokens: int, whole_life: bool, context,
+                              held_blocks: int = 0) -> list[int]:
         try:
             return await self._engine.reserve_for(prompt_len, max_tokens, self._config.admission_timeout_s,
-                                                 self._config.max_waiting_for_blocks, whole_life)
+                                                 self._config.max_waiting_for_blocks, whole_life, held_blocks)
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
-    async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, secret: str, context) -> float:
+    async def _load_kv(self, handle: kvbroker_pb2.KvHandle, seq: Sequence, secret: str, context,
+                       shared: int) -> float:
         """Pulls the handle's KV, presenting the request's secret, verifies its checksums (a mismatch is
-        pulled once more, then DATA_LOSS "checksum") and writes it into the sequence's blocks. When full
-        blocks here hold the prompt's first tokens already, only the rest is pulled, from a checksum chunk
-        boundary on."""
+        pulled once more, then DATA_LOSS "checksum") and writes it into the sequence's blocks. When the
+        sequence's first `shared` tokens are in blocks here already (share_cached_prefix), only the rest
+        is pulled, from a checksum chunk boundary on."""
         layout = handle.layout
         if not handle.HasField("kv_crc32c"):  # every prefill worker sends one: this record was not written by one
             await context.abort(grpc.StatusCode.DATA_LOSS, f"kv handle {handle.handle_id} carries no checksum; "
                                                            "its KV is not loaded")
-        shared = self._engine.share_cached_prefix(seq, layout.num_tokens)
         from_token, expected = pull_start(handle, shared)
         staging = torch.empty((layout.num_layers, 2, layout.num_tokens - from_token, layout.num_kv_heads,
                                layout.head_dim), dtype=torch_dtype(layout.dtype))

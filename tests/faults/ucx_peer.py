@@ -23,10 +23,10 @@ STALLED_HANDLE = "stall"
 
 
 class StallingSender(KvSender):
-    async def _serve_one(self, ep, fields: dict[str, str]) -> None:
+    async def _serve_one(self, ep, fields: dict, sending: list) -> None:
         if fields["handle_id"] == STALLED_HANDLE:
             await asyncio.sleep(3600)
-        await super()._serve_one(ep, fields)
+        await super()._serve_one(ep, fields, sending)
 
 
 def held_buffers() -> HeldKv:

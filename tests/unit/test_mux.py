@@ -150,3 +150,14 @@ async def test_a_draining_server_refuses_new_calls_and_ends_the_session_with_its
             break
         await asyncio.sleep(0.02)
     assert session.broken is not None and client._session is None
+
+
+async def test_a_deadline_passing_after_the_call_ended_unread_changes_nothing(served):
+    """The end arrived before the deadline but was read after it: the reader gets the responses and EOF,
+    and EOF again, never DEADLINE_EXCEEDED."""
+    client, _, _ = served
+    call = client.call(decode_pb2.DecodeRequest(request_id="r-2"), timeout=0.3)
+    await asyncio.sleep(0.6)  # everything (2 responses and the end) is here; then the deadline passes
+    assert [list((await call.read()).token_ids) for _ in range(2)] == [[0], [1]]
+    assert await call.read() is grpc.aio.EOF
+    assert await call.read() is grpc.aio.EOF

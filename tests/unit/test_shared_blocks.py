@@ -136,3 +136,28 @@ def test_a_suffix_written_after_its_shared_prefix_reads_back_as_the_whole_prompt
                        kv_of([1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 24]))
     third, shared = loaded(e, [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 30], pull_only_the_rest=True)
     assert shared == 3 * BLOCK  # the suffix's full block was listed too
+
+
+def test_a_prefix_taken_before_reserving_survives_a_full_cache():
+    """The decode server takes a prompt's cached prefix first and reserves only the rest: reserving
+    first would have evicted the very blocks it was about to share."""
+    e = engine()
+    allocator = e.scheduler.allocator
+    first, _ = loaded(e, list(range(1, 9)))
+    allocator.free(first.block_table)
+    hog = allocator.allocate(allocator.num_free - allocator.num_cached)  # every block but the 2 cached
+    assert allocator.num_cached == 2 and allocator.num_free == 2
+    seq = sequence(list(range(1, 9)) + [70, 0], [])
+    assert e.share_cached_prefix(seq, 9) == 2 * BLOCK and len(seq.block_table) == 2
+    assert allocator.num_free == 0  # revived, not evicted
+    allocator.free(hog)
+    seq.block_table += allocator.allocate(1)
+    e.load_prompt(seq, kv_of(list(range(1, 9)) + [70])[:, :, 8:], kv_start=8, shared_tokens=8)
+    assert torch.equal(e.kv_cache.gather([seq.block_table], [9])[:, :, 0], kv_of(list(range(1, 9)) + [70]))
+
+
+async def test_a_reservation_counts_the_blocks_a_sequence_shares_already():
+    e = engine()
+    assert len(await e.reserve_for(prompt_len=8, max_tokens=8, timeout_s=1.0)) == 4  # 16 tokens
+    assert len(await e.reserve_for(prompt_len=8, max_tokens=8, timeout_s=1.0, held_blocks=3)) == 1
+    assert await e.reserve_for(prompt_len=8, max_tokens=8, timeout_s=1.0, held_blocks=4) == []

@@ -85,6 +85,20 @@ def test_restarts_spread_beyond_the_window_never_give_up():
     assert child.state == "running" and child.restarts == POLICY.max_restarts * 2
 
 
+def test_drains_restart_at_once_and_never_count_toward_a_crash_loop():
+    """A clean exit (exit 0: a drain, as `distserve restart` makes) is started again after no backoff,
+    however often, and leaves a crash's doubling where it was."""
+    child = FakeChild()
+    supervisor = supervisor_of(child)
+    supervisor.check(child, 0.0)
+    for i in range(POLICY.max_restarts * 2):
+        child.code = 0
+        supervisor.check(child, 1.0 + i)
+        supervisor.check(child, 1.0 + i)
+        assert child.state == "running" and child.spawned == i + 1
+    assert crash_and_restart(supervisor, child, 50.0) == 0.5  # the first crash waits the initial backoff
+
+
 def test_exit_causes_name_the_signal_or_code():
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
     assert describe_exit(3) == "exited with code 3"
