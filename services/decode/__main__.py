@@ -87,6 +87,7 @@ async def serve(config: DecodeConfig) -> None:
         load = {"num_running": usage.num_running, "num_waiting": usage.num_waiting,
                 "free_blocks": usage.num_free_blocks, "total_blocks": usage.num_blocks,
                 "block_size": config.block_size, "num_reserving": engine.num_reserving,
+                "prefix_caching": int(config.prefix_caching),  # it keeps prompts' and answers' blocks
                 "max_reserving": config.max_waiting_for_blocks}
         metrics.kv_usage.set(usage.num_used_blocks / usage.num_blocks)
         metrics.cached_blocks.set(usage.num_cached_blocks)

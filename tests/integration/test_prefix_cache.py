@@ -48,11 +48,12 @@ def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def routed_expecting(fleet, request_id: str) -> int:
-    """The cached tokens the router expected on the worker it routed request_id to (its route log line)."""
+def routed_expecting(fleet, request_id: str, field: str = "expected_cached") -> int:
+    """The cached tokens the router expected on the prefill worker it routed request_id to (its route log
+    line); field="decode_expected_cached": on the decode worker."""
     for line in (Path(fleet.spec.log_dir) / "router.log").read_text().splitlines():
         if f"route request_id={request_id} " in line:
-            return int(line.rsplit("expected_cached=", 1)[1].split()[0])
+            return int(line.split(f" {field}=", 1)[1].split()[0])
     raise AssertionError(f"no route logged for {request_id}")
 
 
@@ -162,6 +163,23 @@ def test_a_follow_up_turn_pulls_only_what_the_decode_worker_lacks(fleet, referen
     while scrape(fleet, "decode-0")["distserve:kv_cache_cached_blocks{}"] < held // BLOCK:
         assert time.monotonic() < deadline, "the decode worker reports fewer cached blocks than it shared"
         time.sleep(0.2)
+
+
+def test_a_follow_up_turn_goes_back_to_the_decode_worker_holding_the_last_one(cluster, reference_model):
+    """With two decode workers, each conversation's second turn is routed to the decode worker that
+    produced its first answer: the router expects that turn's first blocks there."""
+    vocab = reference_model.config.vocab_size
+    for seed in (200, 210, 220):
+        turn1 = random_tokens(6 * BLOCK + 3, seed=seed, vocab=vocab)
+        first = generate(cluster.router_address, token_request(turn1, max_tokens=20, ignore_eos=True))
+        holder = first.messages[0].decode_worker
+        turn2 = turn1 + first.token_ids + random_tokens(10, seed=seed + 1, vocab=vocab)
+        request = token_request(turn2, max_tokens=4)
+        request.request_id = f"decode-affinity-{seed}"
+        second = generate(cluster.router_address, request)
+        assert second.messages[0].decode_worker == holder
+        held = (len(turn1) + len(first.token_ids) - 1) // BLOCK * BLOCK
+        assert routed_expecting(cluster, request.request_id, "decode_expected_cached") == held
 
 
 def test_structured_output_over_a_cached_prefix_equals_its_uncached_run(fleet, reference_model):

@@ -47,7 +47,10 @@ def test_kv_bytes_travel_over_ucx_between_workers(cluster, tiny_model_path):
     spec = load_model_spec(tiny_model_path)
     names = [n for n in cluster.processes if n.startswith(("prefill", "decode"))]
     before = settled_stats(cluster, names)
-    answer = generate(cluster.router_address, token_request(list(range(10, 10 + PROMPT_LEN)), max_tokens=4))
+    # A prompt no other test sends: a decode worker holding some of its blocks (cached from an earlier
+    # request) would pull only the rest, and the byte counts below are a whole pull's.
+    prompt = [(i * 53 + 17) % 4000 + 3 for i in range(PROMPT_LEN)]
+    answer = generate(cluster.router_address, token_request(prompt, max_tokens=4))
     first = answer.messages[0]
     prefill, decode = name_of(cluster, first.prefill_worker), name_of(cluster, first.decode_worker)
     after = settled_stats(cluster, names)

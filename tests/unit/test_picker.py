@@ -24,8 +24,10 @@ def colocated(worker_id: str, outstanding: int = 0, running: int = 0, total: int
     return WorkerRecord(worker_id, "colocated", f"{worker_id}:1", load=load)
 
 
-def decode(worker_id: str, running: int = 0, free: int = 100, total: int = 100, fmt: str = "2x2x16:float32"):
-    load = {"num_running": running, "free_blocks": free, "total_blocks": total, "block_size": 16}
+def decode(worker_id: str, running: int = 0, free: int = 100, total: int = 100, fmt: str = "2x2x16:float32",
+           caching: bool = True):
+    load = {"num_running": running, "free_blocks": free, "total_blocks": total, "block_size": 16,
+            "prefix_caching": int(caching)}
     return WorkerRecord(worker_id, "decode", f"{worker_id}:1", load=load, kv_format=fmt)
 
 
@@ -52,6 +54,35 @@ def test_a_retry_avoids_the_decode_workers_that_failed_it_while_another_fits():
     assert picker.pick_decode(100, avoid={"best"}) is other
     assert picker.pick_decode(100, avoid={"best", "other"}) is best  # all failed it: the best still serves
     assert picker.pick_decode(1000, avoid={"best"}) is best  # 63 blocks: the other could never hold them
+
+
+def test_a_decode_worker_holding_the_prompt_wins_within_one_running_sequence_of_the_least_loaded():
+    """A conversation's next turn goes back to the decode worker that holds its last prompt and answer
+    (it pulls only the rest), unless that worker runs more than DECODE_AFFINITY_SLACK sequences more."""
+    holder, other = decode("holder", running=1, free=60), decode("other", running=0, free=90)
+    picker = picker_with([], [holder, other])
+    turn1 = PromptBlocks("m", list(range(100)))
+    assert picker.pick_decode(200, prompt=turn1) is other  # nothing held anywhere: the least loaded
+    picker.remember_decoded(holder, PromptBlocks("m", list(range(130))))  # turn 1 and its answer
+    turn2 = PromptBlocks("m", list(range(130)) + [7] * 40)
+    assert picker.decode_cached_tokens(holder, turn2) == 128 and picker.decode_cached_tokens(other, turn2) == 0
+    assert picker.pick_decode(200, prompt=turn2) is holder
+    assert picker.pick_decode(200) is other  # without the prompt (n > 1): load alone
+    busier = decode("holder", running=2, free=60)
+    picker._workers["decode"] = [busier, other]
+    assert picker.pick_decode(200, prompt=turn2) is other  # two more running: balance first
+
+
+def test_decode_affinity_ignores_workers_that_keep_no_blocks_and_never_trades_room_for_it():
+    keeps_none, roomy = decode("none", caching=False), decode("roomy", running=1)
+    picker = picker_with([], [keeps_none, roomy])
+    tokens = PromptBlocks("m", list(range(64)))
+    picker.remember_decoded(keeps_none, tokens)
+    assert picker.decode_cached_tokens(keeps_none, tokens) == 0 and picker.pick_decode(10, prompt=tokens) is keeps_none
+    full, free = decode("full", free=2), decode("free", running=1)
+    picker = picker_with([], [full, free])
+    picker.remember_decoded(full, tokens)
+    assert picker.pick_decode(100, prompt=tokens) is free  # 7 blocks: only "free" has them now
 
 
 def test_decode_must_take_the_prefill_workers_kv_format():
