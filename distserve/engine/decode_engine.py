@@ -125,8 +125,14 @@ class DecodeEngine:
             self.shared_blocks.add(keys[first:], seq.block_table[first:len(keys)])
 
     def _keys(self, seq: Sequence, num_tokens: int) -> list[bytes]:
-        """The prefix keys of the full blocks of the sequence's first num_tokens tokens."""
-        return block_keys(seq.tokens[:num_tokens], self.kv_cache.block_size, self._prefix.seed(seq.params.cache_salt))
+        """The prefix keys of the full blocks of the sequence's first num_tokens tokens. Each block is hashed
+        once per sequence: the chain is extended from its last key (seq.block_keys) as the sequence grows."""
+        block_size, keys = self.kv_cache.block_size, seq.block_keys
+        wanted = num_tokens // block_size
+        if len(keys) < wanted:
+            parent = keys[-1] if keys else self._prefix.seed(seq.params.cache_salt)
+            keys += block_keys(seq.tokens[len(keys) * block_size:wanted * block_size], block_size, parent)
+        return keys[:wanted]
 
     async def reserve(self, num_blocks: int) -> list[int]:
         """Waits until num_blocks are free and takes them (callers bound the wait with a timeout)."""

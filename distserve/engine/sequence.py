@@ -30,6 +30,7 @@ class Sequence:
     grammar: GrammarState | None = None  # a constrained sequence's grammar, past its tokens so far
     num_steps: int = 0  # decode steps it was in
     batch_size_sum: int = 0  # the sizes of those steps' batches, summed
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix keys of its first full blocks
 
     @property
     def mean_batch_size(self) -> float:

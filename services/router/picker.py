@@ -307,10 +307,11 @@ class WorkerPicker:
         candidates = [w for w in fits if w.worker_id not in avoid] or fits
         if prompt is None or not candidates:
             return min(candidates, default=None, key=score)
-        pool = [w for w in candidates if not score(w)[0]] or candidates  # room now, when any has it
-        least = min(score(w)[1] for w in pool)
-        near = [w for w in pool if score(w)[1] <= least + DECODE_AFFINITY_SLACK]
-        return min(near, key=lambda w: (-self.decode_cached_tokens(w, prompt), score(w)[1], score(w)[2]))
+        scores = {w.worker_id: score(w) for w in candidates}  # (no room now, running, -free)
+        pool = [w for w in candidates if not scores[w.worker_id][0]] or candidates  # room now, when any has it
+        least = min(scores[w.worker_id][1] for w in pool)
+        near = [w for w in pool if scores[w.worker_id][1] <= least + DECODE_AFFINITY_SLACK]
+        return min(near, key=lambda w: (-self.decode_cached_tokens(w, prompt), *scores[w.worker_id][1:]))
 
     def decode_cached_tokens(self, w: WorkerRecord, tokens: PromptBlocks | None) -> int:
         """The tokens' full-block KV the decode worker w is expected to hold (0 where it keeps none)."""
