@@ -270,7 +270,7 @@ def _drain(args) -> int:
     failed = 0
     for name in args.names:
         try:
-            drained = asyncio.run(rolling.drain(state, name, args.reason))
+            drained = asyncio.run(rolling.drain(state, name, args.reason, args.grace_s))
         except KeyError:
             print(f"error: {name}: no such gRPC service in this `distserve up` (see `distserve status`)",
                   file=sys.stderr)
@@ -373,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                                               "exit, and the supervisor starts them again")
     drain.add_argument("names", nargs="+", metavar="NAME")
     drain.add_argument("--reason", default="distserve drain")
+    drain.add_argument("--grace-s", type=float, default=0.0,
+                       help="finish in-flight work within this many seconds, then migrate the rest (at most "
+                            "each service's own --grace-s; default: its own)")
     drain.add_argument("--state-file", type=Path, default=cluster_state.default_path())
     restart = commands.add_parser("restart", help="rolling restart of a running `distserve up`'s workers: "
                                                   "drain one, wait until it is back, then the next")

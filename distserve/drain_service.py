@@ -17,10 +17,13 @@ log = logging.getLogger(__name__)
 
 
 class DrainServicer(lifecycle_pb2_grpc.LifecycleServiceServicer):
+    """Sets the stop event and keeps the grace the server stops with: its own, or a Drain call's shorter one."""
+
     def __init__(self, stop: asyncio.Event, drain_s: float, grace_s: float, admin_only: bool):
         """stop: the event that SIGTERM sets; admin_only: refuse callers whose certificate is not admin's."""
         self._stop = stop
-        self._drain_s, self._grace_s = drain_s, grace_s
+        self._drain_s = drain_s
+        self.grace_s = grace_s  # read by the server when it stops; only ever shortened
         self._admin_only = admin_only
 
     async def Drain(self, request, context):
@@ -28,7 +31,13 @@ class DrainServicer(lifecycle_pb2_grpc.LifecycleServiceServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"only the {ADMIN_ROLE} role may drain a server (peer role: "
                                 f"{peer_role(context) or '(none)'})")
+        if request.grace_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"grace_s: must be >= 0 (0: the server's own), got {request.grace_s:g}")
+        if request.grace_s > 0:
+            self.grace_s = min(self.grace_s, request.grace_s)
         already = self._stop.is_set()
-        log.warning("drain requested by %s: %s", context.peer(), request.reason or "no reason given")
+        log.warning("drain requested by %s (grace %g s): %s", context.peer(), self.grace_s,
+                    request.reason or "no reason given")
         self._stop.set()
-        return lifecycle_pb2.DrainResponse(drain_s=self._drain_s, grace_s=self._grace_s, already_draining=already)
+        return lifecycle_pb2.DrainResponse(drain_s=self._drain_s, grace_s=self.grace_s, already_draining=already)

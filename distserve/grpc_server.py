@@ -176,9 +176,10 @@ async def run_grpc_server(
 
     After on_shutdown (deregistration) the server keeps accepting calls for drain_s, so requests
     routed to it just before it left the registry still land; then it stops taking new calls and
-    lets in-flight ones finish for up to grace_s. A message over max_receive_bytes fails its call with
-    RESOURCE_EXHAUSTED; a client connection may have max_concurrent_streams calls open. With tls.tls_check_roles, only clients whose certificates name one of peer_roles
-    may call (distserve.peer_roles); None: any certificate from the CA.
+    lets in-flight ones finish for up to grace_s (or a Drain call's shorter one). A message over
+    max_receive_bytes fails its call with RESOURCE_EXHAUSTED; a client connection may have
+    max_concurrent_streams calls open. With tls.tls_check_roles, only clients whose certificates name one
+    of peer_roles may call (distserve.peer_roles); None: any certificate from the CA.
     """
     if tls.is_tls and tls.tls_check_roles and peer_roles is not None:
         from distserve.peer_roles import PeerRoleInterceptor
@@ -192,8 +193,8 @@ async def run_grpc_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     stop = stop_event or asyncio.Event()
-    services = [*services, Service(lifecycle_pb2_grpc.add_LifecycleServiceServicer_to_server,
-                                   DrainServicer(stop, drain_s, grace_s, admin_only=tls.is_tls and tls.tls_check_roles),
+    drainer = DrainServicer(stop, drain_s, grace_s, admin_only=tls.is_tls and tls.tls_check_roles)
+    services = [*services, Service(lifecycle_pb2_grpc.add_LifecycleServiceServicer_to_server, drainer,
                                    "distserve.v1.LifecycleService")]
     for service in services:
         service.add(service.servicer, server)
@@ -224,7 +225,7 @@ async def run_grpc_server(
     for service in services:
         if service.on_stop is not None:
             service.on_stop()
-    await server.stop(grace_s)
+    await server.stop(drainer.grace_s)  # a Drain call may have shortened it
     log.info("stopped")
 
 

@@ -31,13 +31,14 @@ class Drained:
     already_draining: bool
 
 
-async def drain(state: dict, name: str, reason: str) -> Drained:
-    """Asks the child `name` of a launcher's state to drain; raises KeyError for an unknown name (or one
-    with no gRPC address: Redis, the gateway) and grpc.aio.AioRpcError when it refuses."""
+async def drain(state: dict, name: str, reason: str, grace_s: float = 0.0) -> Drained:
+    """Asks the child `name` of a launcher's state to drain, within grace_s if that is shorter than its own
+    (0: its own); raises KeyError for an unknown name (or one with no gRPC address: Redis, the gateway) and
+    grpc.aio.AioRpcError when it refuses."""
     address = {c["name"]: c["address"] for c in state["children"] if c["address"]}[name]
     async with aio_channel(address, tls_from_state(state)) as channel:
         reply = await lifecycle_pb2_grpc.LifecycleServiceStub(channel).Drain(
-            lifecycle_pb2.DrainRequest(reason=reason), timeout=TIMEOUT_S,
+            lifecycle_pb2.DrainRequest(reason=reason, grace_s=grace_s), timeout=TIMEOUT_S,
             metadata=bearer_key.call_metadata(bearer_key.key_from_env()))
     return Drained(name, reply.drain_s, reply.grace_s, reply.already_draining)
 

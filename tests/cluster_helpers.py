@@ -18,7 +18,7 @@ import redis
 from distserve.launcher import Cluster, ClusterSpec
 from distserve.record_signing import KV_HANDLE, sign
 from distserve.v1 import (colocated_pb2, colocated_pb2_grpc, decode_pb2, decode_pb2_grpc, kvbroker_pb2,
-                          kvbroker_pb2_grpc, prefill_pb2, prefill_pb2_grpc)
+                          kvbroker_pb2_grpc, lifecycle_pb2, lifecycle_pb2_grpc, prefill_pb2, prefill_pb2_grpc)
 from tests.builders import sampling
 
 WORKER_LEASE_S = 2.0
@@ -78,6 +78,13 @@ def release_handle(cluster: Cluster, handle_id: str) -> None:
     with grpc.insecure_channel(cluster.broker_address) as channel:
         kvbroker_pb2_grpc.KvBrokerServiceStub(channel).ReleaseHandle(
             kvbroker_pb2.ReleaseHandleRequest(handle_id=handle_id, reason="test done"), timeout=10)
+
+
+def drain(address: str, grace_s: float = 0.0) -> lifecycle_pb2.DrainResponse:
+    """Asks the server at `address` to drain (LifecycleService.Drain), within grace_s if shorter than its own."""
+    with grpc.insecure_channel(address) as channel:
+        return lifecycle_pb2_grpc.LifecycleServiceStub(channel).Drain(
+            lifecycle_pb2.DrainRequest(reason="test", grace_s=grace_s), timeout=10)
 
 
 def rewrite_handle(cluster: Cluster, handle_id: str, change: Callable[[kvbroker_pb2.KvHandle], None],

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64istserve/v1/lifecycle.proto\x12\x0c\x64istserve.v1\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"K\n\rDrainResponse\x12\x0f\n\x07\x64rain_s\x18\x01 \x01(\x01\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\x12\x18\n\x10\x61lready_draining\x18\x03 \x01(\x08\x32T\n\x10LifecycleService\x12@\n\x05\x44rain\x12\x1a.distserve.v1.DrainRequest\x1a\x1b.distserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64istserve/v1/lifecycle.proto\x12\x0c\x64istserve.v1\"/\n\x0c\x44rainRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\"K\n\rDrainResponse\x12\x0f\n\x07\x64rain_s\x18\x01 \x01(\x01\x12\x0f\n\x07grace_s\x18\x02 \x01(\x01\x12\x18\n\x10\x61lready_draining\x18\x03 \x01(\x08\x32T\n\x10LifecycleService\x12@\n\x05\x44rain\x12\x1a.distserve.v1.DrainRequest\x1a\x1b.distserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserve.v1.lifecycle_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAINREQUEST']._serialized_start=46
-  _globals['_DRAINREQUEST']._serialized_end=76
-  _globals['_DRAINRESPONSE']._serialized_start=78
-  _globals['_DRAINRESPONSE']._serialized_end=153
-  _globals['_LIFECYCLESERVICE']._serialized_start=155
-  _globals['_LIFECYCLESERVICE']._serialized_end=239
+  _globals['_DRAINREQUEST']._serialized_end=93
+  _globals['_DRAINRESPONSE']._serialized_start=95
+  _globals['_DRAINRESPONSE']._serialized_end=170
+  _globals['_LIFECYCLESERVICE']._serialized_start=172
+  _globals['_LIFECYCLESERVICE']._serialized_end=256
 # @@protoc_insertion_point(module_scope)

@@ -5,10 +5,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrainRequest(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "grace_s")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    grace_s: float
+    def __init__(self, reason: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("drain_s", "grace_s", "already_draining")

@@ -50,6 +50,7 @@ class _Stream:
         self.text = ""
         self.messages = 0
         self.decode_worker = self.prefill_worker = ""
+        self.decode_workers: list[str] = []  # every decode worker that streamed to it, in order
         self.finish_reason = None
         self.error: grpc.RpcError | None = None
         self.first_token = threading.Event()
@@ -67,6 +68,8 @@ class _Stream:
                     self.first_token.set()
                 else:
                     self.decoding.set()
+                if message.decode_worker and message.decode_worker not in self.decode_workers:
+                    self.decode_workers.append(message.decode_worker)
                 self.messages += 1
                 self.token_ids.extend(message.token_ids)
                 self.text += message.text

@@ -7,19 +7,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import grpc
-
 from distserve import cli, cluster_state
 from distserve.client import DistServeSyncClient, FinishReason
 from distserve.launcher import Cluster, ClusterSpec, free_port
-from distserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
+from tests.cluster_helpers import drain
 from tests.integration.conftest import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, WORKER_LEASE_S, wait_for_workers
-
-
-def drain(address: str) -> lifecycle_pb2.DrainResponse:
-    with grpc.insecure_channel(address) as channel:
-        return lifecycle_pb2_grpc.LifecycleServiceStub(channel).Drain(lifecycle_pb2.DrainRequest(reason="test"),
-                                                                      timeout=10)
 
 
 def test_a_drain_call_lets_an_in_flight_stream_finish_and_the_worker_exits_0(cluster):

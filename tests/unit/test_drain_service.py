@@ -51,3 +51,20 @@ async def test_with_role_checks_only_the_admin_may_drain(role):
     assert context.code == grpc.StatusCode.PERMISSION_DENIED and not stop.is_set()
     await servicer.Drain(lifecycle_pb2.DrainRequest(), Context("admin"))
     assert stop.is_set()
+
+
+async def test_a_drain_call_may_shorten_the_grace_but_never_lengthen_it():
+    servicer = DrainServicer(asyncio.Event(), drain_s=0.0, grace_s=60.0, admin_only=False)
+    assert (await servicer.Drain(lifecycle_pb2.DrainRequest(grace_s=90), Context(None))).grace_s == 60.0
+    assert (await servicer.Drain(lifecycle_pb2.DrainRequest(grace_s=5), Context(None))).grace_s == 5.0
+    assert (await servicer.Drain(lifecycle_pb2.DrainRequest(grace_s=0), Context(None))).grace_s == 5.0
+    assert servicer.grace_s == 5.0  # what the server stops with
+
+
+async def test_a_negative_grace_is_refused_naming_the_field():
+    stop = asyncio.Event()
+    servicer = DrainServicer(stop, drain_s=0.0, grace_s=60.0, admin_only=False)
+    context = Context(None)
+    with pytest.raises(Aborted, match="grace_s"):
+        await servicer.Drain(lifecycle_pb2.DrainRequest(grace_s=-1), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and not stop.is_set() and servicer.grace_s == 60.0
