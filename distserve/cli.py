@@ -77,6 +77,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routers", type=int, default=1,
                         help="routers to run (ports --router-port + i): the gateway spreads requests over them and "
                              "resumes a stream whose router dies on another")
+    parser.add_argument("--kvbrokers", type=int, default=1,
+                        help="kvbrokers to run (ports 50060 + i): the router and workers move a call to another "
+                             "when one is down or stalled")
     parser.add_argument("--served-model-name", default="", help="model name in the OpenAI API (default: folder)")
     parser.add_argument("--api-key-file", default="",
                         help="require `Authorization: Bearer KEY` on the gateway and the router's gRPC API, "
@@ -103,6 +106,8 @@ def _spec(args) -> ClusterSpec:
         gateway_args += [flag, value] if value else []
     if args.routers < 1:
         raise ConfigError(f"routers: must be >= 1, got {args.routers}")
+    if args.kvbrokers < 1:
+        raise ConfigError(f"kvbrokers: must be >= 1, got {args.kvbrokers}")
     default = 0 if args.colocated else 1
     num_prefill = default if args.prefill is None else args.prefill
     num_decode = default if args.decode is None else args.decode
@@ -118,7 +123,7 @@ def _spec(args) -> ClusterSpec:
         raise ConfigError("lend_cores: cannot be combined with --take-turns (pick one way to share the cores)")
     spec = ClusterSpec(model=resolve_model_path(args.model), num_prefill=num_prefill, num_decode=num_decode,
                        num_colocated=args.colocated,
-                       router_port=args.router_port, num_routers=args.routers, redis_url=args.redis_url,
+                       router_port=args.router_port, num_routers=args.routers, num_kvbrokers=args.kvbrokers, redis_url=args.redis_url,
                        log_dir=args.log_dir,
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
                        cpus=args.cpus, share_cores=args.share_cores, take_turns=args.take_turns,

@@ -130,12 +130,13 @@ class ClusterSpec:
     router_port: int = 50051
     num_routers: int = 1  # router, router-1, ...: ports router_port + i; the gateway spreads requests over them
     broker_port: int = 50060
+    num_kvbrokers: int = 1  # kvbroker, kvbroker-1, ...: ports broker_port + i; every client fails over between them
     prefill_base_port: int = 50070
     decode_base_port: int = 50080
     colocated_base_port: int = 50090
     redis_port: int = 6390
     metrics_base_port: int = 9100  # router +0, kvbroker +1, launcher +2, prefill +10+i, decode +20+i,
-    # colocated +30+i; 0: free
+    # colocated +30+i, router-i +40+i, kvbroker-i +50+i; 0: free
     gateway_port: int | None = 8000  # None: no HTTP gateway
     gateway_args: list[str] = dataclasses.field(default_factory=list)
     redis_url: str = ""  # use this Redis instead of starting one
@@ -249,6 +250,15 @@ def router_name(index: int) -> str:
 
 def is_router(name: str) -> bool:
     return name == "router" or name.startswith("router-")
+
+
+def kvbroker_name(index: int) -> str:
+    """The launcher's name of kvbroker `index`: kvbroker, kvbroker-1, ..."""
+    return f"kvbroker-{index}" if index else "kvbroker"
+
+
+def is_kvbroker(name: str) -> bool:
+    return name == "kvbroker" or name.startswith("kvbroker-")
 
 
 def plan_nice(spec: ClusterSpec, name: str) -> int:
@@ -378,8 +388,9 @@ class Cluster:
         self._build_cpu_kernels()
         if not self.redis_url:
             self._start_redis(timeout_s)
-        broker = self._start_named("kvbroker", "services.kvbroker", spec.broker_port, 0, [], 1)
-        self._wait_serving([broker], timeout_s)  # workers get its address: it must have bound
+        brokers = [self._start_named(kvbroker_name(i), "services.kvbroker", spec.broker_port, i, [], 50 + i if i else 1)
+                   for i in range(max(spec.num_kvbrokers, 1))]
+        self._wait_serving(brokers, timeout_s)  # workers get their addresses: they must have bound
         workers = self._start_workers()
         routers = [self._start_named(router_name(i), "services.router", spec.router_port, i, [], 40 + i if i else 0)
                    for i in range(max(spec.num_routers, 1))]
@@ -478,7 +489,12 @@ class Cluster:
 
     @property
     def broker_address(self) -> str:
+        """The first kvbroker's (clients of one kvbroker use it)."""
         return self.processes["kvbroker"].address
+
+    @property
+    def broker_addresses(self) -> list[str]:
+        return [process.address for name, process in self.processes.items() if is_kvbroker(name)]
 
     @property
     def router_address(self) -> str:
@@ -500,8 +516,8 @@ class Cluster:
         redis_url = self.redis_url_for(redis_acl.role_of_module(module))
         env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": redis_url,
                "OTEL_SERVICE_NAME": f"distserve-{role}", **role_tls(self.spec.tls, role).tls_env()}
-        if "kvbroker" in self.processes:
-            env["DISTSERVE_BROKER_ADDRESS"] = self.processes["kvbroker"].address
+        if self.broker_addresses:
+            env["DISTSERVE_BROKER_ADDRESS"] = ",".join(self.broker_addresses)
         argv = [sys.executable, "-m", module, "--port", port, "--metrics-port", str(metrics_port)]
         if name in self.worker_cpus:  # before extra_args, so an explicit --cpus there wins
             cpus = self.worker_cpus[name]

@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seeds the requests and the faults")
     parser.add_argument("--bound-s", type=float, default=60.0, help="a request still open after this hangs")
     parser.add_argument("--log-dir", default="", help="children's logs (default: a new temporary folder)")
+    parser.add_argument("--routers", type=int, default=1, help="router replicas (the gateway resumes streams)")
+    parser.add_argument("--kvbrokers", type=int, default=1, help="kvbroker replicas (clients fail over)")
     parser.add_argument("--out-dir", default="benchmarks/results/soak")
     return parser.parse_args(argv)
 
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "benchmarks.soak.run", *(sys.argv[1:] if argv is None else argv)])
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="distserve-soak-")
     print(f"children's logs: {log_dir}", flush=True)
-    cluster = Cluster(faults_spec(str(ensure_default_model("tiny")), log_dir)).start()
+    cluster = Cluster(faults_spec(str(ensure_default_model("tiny")), log_dir, num_routers=args.routers,
+                                  num_kvbrokers=args.kvbrokers)).start()
     started = time.monotonic()
     try:
         wait_for_workers(cluster, NUM_PREFILL, NUM_DECODE)

@@ -78,7 +78,7 @@ async def serve(config: DecodeConfig) -> None:
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool(config)
     servicer = DecodeServicer(config, spec, engine, receiver,
-                              BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s), metrics)
+                              BrokerClient.over(channels, config.broker_address, config.rpc_timeout_s), metrics)
     serve_metrics(config.metrics_port, config.host)
     worker_id = config.resolved_worker_id
 

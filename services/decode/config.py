@@ -22,7 +22,8 @@ class DecodeConfig(WorkerConfig):
     nice: int = setting(0, "lower this worker's CPU priority by this much (0-19): on cores lent to prefill "
                            "workers' forwards, theirs preempt its steps (for a worker started by hand; "
                            "distserve up --lend-cores lowers the children it starts itself)")
-    broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
+    broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address; replicas comma-separated",
+                                  env="DISTSERVE_BROKER_ADDRESS")
     block_size: int = setting(16, "tokens per KV block")
     kv_cache_mb: int = setting(1024, "memory for the paged KV cache, in MiB")
     max_running: int = setting(64, "most sequences in one decode batch")

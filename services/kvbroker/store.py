@@ -1,6 +1,6 @@
 """Handle records in Redis.
 
-Key `distserve:kv:<handle_id>` is a hash {handle: KvHandle bytes, state, owner,
+Key `distserve:kv:<handle_id>` is a hash {handle: KvHandle bytes, state, owner, claimant,
 mac} with a TTL equal to the lease. Registering refuses an id that exists and claiming
 is atomic (Lua scripts each), so a record is never overwritten and exactly one
 decode worker can claim a handle. Releasing deletes the key and publishes the
@@ -34,12 +34,13 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# Returns {handle bytes, mac} on success, 0 when missing, 1 when not READY.
+# Returns {handle bytes, mac} on success, 0 when missing, 1 when claimed by another. A claimant's repeated
+# claim succeeds again (a client moving a claim that had landed to another kvbroker replica must get it).
 _CLAIM = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 0 end
-if state ~= 'ready' then return 1 end
-redis.call('HSET', KEYS[1], 'state', 'claimed')
+if state ~= 'ready' and (ARGV[2] == '' or redis.call('HGET', KEYS[1], 'claimant') ~= ARGV[2]) then return 1 end
+redis.call('HSET', KEYS[1], 'state', 'claimed', 'claimant', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return {redis.call('HGET', KEYS[1], 'handle') or '', redis.call('HGET', KEYS[1], 'mac') or ''}
 """
@@ -93,9 +94,10 @@ class HandleStore:
         return stored
 
     async def claim(self, handle_id: str, claimant: str, lease_s: float) -> kvbroker_pb2.KvHandle:
-        """The READY handle, now CLAIMED by `claimant` for lease_s. Raises HandleNotFound, HandleNotReady,
-        or HandleForged (its signature fails: the caller must not use it; the record stays claimed)."""
-        result = await self._claim(keys=[handle_key(handle_id)], args=[int(lease_s * 1000)])
+        """The READY handle (or one `claimant` claimed before), now CLAIMED by `claimant` for lease_s. Raises
+        HandleNotFound, HandleNotReady (another claimed it) or HandleForged (its signature fails: the caller
+        must not use it; the record stays claimed)."""
+        result = await self._claim(keys=[handle_key(handle_id)], args=[int(lease_s * 1000), claimant])
         if result == 0:
             raise HandleNotFound(handle_id)
         if result == 1:

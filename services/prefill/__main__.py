@@ -89,7 +89,7 @@ async def serve(config: PrefillConfig) -> None:
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool(config)
     servicer = PrefillServicer(config, spec, config.dtype, batcher, held, sender,
-                               BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s),
+                               BrokerClient.over(channels, config.broker_address, config.rpc_timeout_s),
                                ucx_address, metrics)
     serve_metrics(config.metrics_port, config.host)
     worker_id = config.resolved_worker_id

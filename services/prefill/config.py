@@ -21,7 +21,8 @@ class PrefillConfig(WorkerConfig):
     ucx_port: int = setting(0, "UCX listener port (0: any free port)")
     core_turns: str = setting("", "directory of the compute turns of the workers sharing these cores: each forward "
                                   "waits for its turn, turns alternate (empty: no turns, the cores are its own)")
-    broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
+    broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address; replicas comma-separated",
+                                  env="DISTSERVE_BROKER_ADDRESS")
     max_batch_tokens: int = setting(0, "saturation length: prompt tokens per packed forward; longer prompts "
                                        "are chunked (0: auto, the engine's measured default for the device)")
     max_queued_tokens: int = setting(0, "most prompt tokens queued or running at once; a Prefill beyond it fails "

@@ -20,7 +20,8 @@ class RouterConfig(GrpcServerConfig, ApiKeyConfig):
     port: int = setting(50051, "gRPC port")
     model: str = setting("default", "HF model folder (tokenizer and limits)", env="DISTSERVE_MODEL")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
-    broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address", env="DISTSERVE_BROKER_ADDRESS")
+    broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address; replicas comma-separated",
+                                  env="DISTSERVE_BROKER_ADDRESS")
     request_timeout_s: float = setting(600.0, "deadline for one request's worker calls")
     connect_timeout_s: float = setting(2.0, "how long to wait for a worker's connection (e.g. one just restarted) "
                                             "before taking it as down")

@@ -55,7 +55,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._channels = channels
         self._model_name = model_name
         self._metrics = metrics
-        self._broker = BrokerClient(channels.get(config.broker_address), config.rpc_timeout_s)
+        self._broker = BrokerClient.over(channels, config.broker_address, config.rpc_timeout_s)
         self._grammars = grammars
         # one multiplexed session per worker carries all of this router's streams to it (distserve.mux)
         self._decode_sessions = MuxSessions(lambda channel: decode_pb2_grpc.DecodeServiceStub(channel).DecodeMux,

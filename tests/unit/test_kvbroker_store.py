@@ -89,6 +89,23 @@ async def test_a_handle_can_be_claimed_only_once(store):
         await store.claim("h1", claimant="decode-c", lease_s=5)
 
 
+async def test_a_claimants_repeated_claim_returns_the_handle_again(store):
+    """What a client moving a landed claim to another kvbroker replica sends (distserve.broker_client)."""
+    await store.register(kv_handle(), lease_s=5)
+    first = await store.claim("h1", claimant="decode-b", lease_s=5)
+    again = await store.claim("h1", claimant="decode-b", lease_s=30)
+    assert again.handle_id == first.handle_id and again.claimed_by == "decode-b"
+    with pytest.raises(HandleNotReady):
+        await store.claim("h1", claimant="decode-c", lease_s=5)
+
+
+async def test_claims_without_a_claimant_are_never_repeated(store):
+    await store.register(kv_handle(), lease_s=5)
+    await store.claim("h1", claimant="", lease_s=5)
+    with pytest.raises(HandleNotReady):
+        await store.claim("h1", claimant="", lease_s=5)
+
+
 async def test_concurrent_claims_have_one_winner(store):
     await store.register(kv_handle(), lease_s=5)
     results = await asyncio.gather(*(store.claim("h1", f"decode-{i}", 5) for i in range(8)), return_exceptions=True)
