@@ -61,8 +61,8 @@ def role_access(spill: bool = False) -> dict[str, RoleAccess]:
     every_record = tuple(f"distserve:worker:{role}:*" for role in WORKER_ROLES)
     lister = RoleAccess(_BASE_COMMANDS + _LIST_COMMANDS, every_index, every_record)
     return {
-        "router": dataclasses.replace(lister, commands=lister.commands + ("set",),
-                                      read_write_keys=every_index + ("distserve:spilling",)),
+        "router": dataclasses.replace(lister, commands=lister.commands + ("set", "get"),
+                                      read_write_keys=every_index + ("distserve:spilling", "distserve:registry:epoch")),
         "gateway": lister,
         "kvbroker": RoleAccess(_BASE_COMMANDS + ("evalsha", "script|load", "exists", "hset", "hget", "pexpire", "del",
                                                  "multi", "exec", "discard", "publish"),

@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import uuid
 from typing import Callable
 
 import redis
@@ -36,6 +37,9 @@ KEY_PREFIX = "distserve:worker:"
 # A worker whose lease lapsed (no heartbeat: hung, paused or dead; a graceful exit deregisters instead)
 # stays in its role's index this long after, so that every router's next refresh sees it lapse.
 LAPSED_KEPT_S = 60.0
+# A random id the first router to read it writes: a different one means Redis lost its data (restarted
+# without persistence, or flushed), not that every worker left (WorkerRegistry.data_epoch).
+EPOCH_KEY = "distserve:registry:epoch"
 SPILLING_KEY = "distserve:spilling"  # set (with a short expiry) by a router while it spills requests
 MAC_FIELD = "mac"  # the record's signature, in its JSON (absent when unsigned)
 
@@ -94,6 +98,15 @@ class WorkerRegistry:
         """Records that this router is spilling requests (sent to spill-only colocated workers) now; the
         mark lapses hold_s later unless renewed. Read by lists_now (the launcher's control placement)."""
         await self._redis.set(SPILLING_KEY, 1, px=int(hold_s * 1000))
+
+    async def data_epoch(self) -> str:
+        """An id of Redis's data: it changes when Redis loses its keys (restart without persistence,
+        flush), as the first reader after that writes a fresh one. Needs SET and GET on EPOCH_KEY."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
+            pipe.get(EPOCH_KEY)
+            _, epoch = await pipe.execute()
+        return epoch.decode()
 
     async def list(self, role: str) -> list[WorkerRecord]:
         """Live workers of a role; records that fail to parse are skipped (and logged)."""

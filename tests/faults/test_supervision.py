@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +27,7 @@ import urllib.request
 
 import grpc
 import pytest
+import redis
 
 from distserve.v1 import common_pb2, router_pb2_grpc
 from tests.builders import generate, token_request
@@ -183,6 +186,22 @@ def test_redis_killed(faults_cluster, reference):
     # Redis comes back empty: workers re-register with their next heartbeat, handles are gone.
     outcomes = kill_and_recover(faults_cluster, "redis", reference, start_in_flight(faults_cluster))
     assert all(o.finished for o in outcomes), outcomes
+
+
+def test_requests_right_after_redis_lost_its_data_are_served(faults_cluster, reference):
+    """Redis flushed while every worker is paused past the router's next registry read (as after a Redis
+    restart, before the workers' next heartbeats): the router keeps the workers it knew, so a request
+    sent the moment they resume is served, not refused with "no prefill worker is registered"."""
+    workers = [p.popen.pid for name, p in faults_cluster.processes.items() if name.startswith(("prefill", "decode"))]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        redis.Redis.from_url(faults_cluster.redis_url).flushall()
+        time.sleep(1.5)  # the router reads the registry every 0.5 s: it has seen it empty
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    assert answer(faults_cluster) == reference
 
 
 def test_prefill_worker_killed(faults_cluster, reference):

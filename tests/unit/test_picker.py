@@ -340,6 +340,9 @@ async def test_a_watched_worker_whose_lease_lapses_is_signalled_and_a_draining_o
     class Registry:
         lapsed: set[str] = set()
 
+        async def data_epoch(self):
+            return "e1"
+
         async def list_and_lapsed(self, role):
             return [], (self.lapsed if role == "prefill" else set())
 
@@ -354,3 +357,48 @@ async def test_a_watched_worker_whose_lease_lapses_is_signalled_and_a_draining_o
         await asyncio.wait_for(hung_lapsed.wait(), 1)
         assert not draining_lapsed.is_set()
     assert not picker._lapse_watchers, "watches end with their blocks"
+
+
+class EpochRegistry:
+    """A registry whose listed workers and data epoch a test sets."""
+
+    def __init__(self):
+        self.epoch, self.listed = "e1", {"prefill": [], "decode": [], "colocated": []}
+
+    async def data_epoch(self):
+        return self.epoch
+
+    async def list_and_lapsed(self, role):
+        return list(self.listed[role]), set()
+
+
+async def test_workers_are_kept_while_they_register_again_after_redis_lost_its_data(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("services.router.picker.time.monotonic", lambda: clock[0])
+    registry = EpochRegistry()
+    p1, p2, d1 = (WorkerRecord("p1", "prefill", "a:1"), WorkerRecord("p2", "prefill", "a:2"),
+                  WorkerRecord("d1", "decode", "b:1"))
+    registry.listed.update(prefill=[p1, p2], decode=[d1])
+    picker = WorkerPicker(registry=registry, suspect_s=5.0)
+    await picker.refresh()
+    registry.epoch, registry.listed = "e2", {"prefill": [], "decode": [], "colocated": []}  # Redis restarted
+    await picker.refresh()
+    assert [w.worker_id for w in picker.workers("prefill")] == ["p1", "p2"]
+    assert [w.worker_id for w in picker.workers("decode")] == ["d1"]
+    p1_again = WorkerRecord("p1", "prefill", "a:1", load={"num_running": 3})
+    registry.listed["prefill"] = [p1_again]  # its next heartbeat
+    await picker.refresh()
+    assert picker.workers("prefill") == [p1_again, p2]  # the fresh record, once, and the one not back yet
+    clock[0] += 10.0
+    await picker.refresh()
+    assert picker.workers("prefill") == [p1_again] and picker.workers("decode") == []
+
+
+async def test_with_redis_data_intact_a_worker_that_leaves_is_gone_at_once():
+    registry = EpochRegistry()
+    registry.listed["prefill"] = [WorkerRecord("p1", "prefill", "a:1")]
+    picker = WorkerPicker(registry=registry, suspect_s=5.0)
+    await picker.refresh()
+    registry.listed["prefill"] = []  # deregistered (drained)
+    await picker.refresh()
+    assert picker.workers("prefill") == []

@@ -180,6 +180,11 @@ async def test_routers_and_gateways_read_workers_and_only_routers_mark_spilling(
         await WorkerRegistry(clients["gateway"], lease_s=0, signer=UNSIGNED).mark_spilling(1.0)
 
 
+async def test_routers_read_and_set_the_registrys_data_epoch(clients):
+    epoch = await WorkerRegistry(clients["router"], lease_s=0, signer=UNSIGNED).data_epoch()
+    assert epoch == await WorkerRegistry(clients["router"], lease_s=0, signer=UNSIGNED).data_epoch()
+
+
 async def test_the_kvbroker_keeps_handles_and_tells_their_owner(clients):
     store = HandleStore(clients["kvbroker"], UNSIGNED)
     async with clients["prefill"].pubsub() as pubsub:

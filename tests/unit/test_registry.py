@@ -244,3 +244,11 @@ async def test_a_long_forward_on_the_compute_thread_does_not_stop_the_heartbeat(
     finally:
         beat.cancel()
         await asyncio.gather(beat, return_exceptions=True)
+
+
+async def test_the_data_epoch_stays_until_redis_loses_its_keys(redis_client):
+    registry = WorkerRegistry(redis_client, lease_s=5)
+    first = await registry.data_epoch()
+    assert await registry.data_epoch() == first
+    await redis_client.flushdb()  # what a restart without persistence leaves
+    assert await registry.data_epoch() != first
