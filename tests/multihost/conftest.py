@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import redis
@@ -37,6 +38,7 @@ class Service:
     host: Host
     popen: subprocess.Popen
     log_path: Path
+    restart: Callable[[], subprocess.Popen]  # starts it again, as it was started, its log appended
 
 
 @dataclasses.dataclass
@@ -54,6 +56,11 @@ class Fleet:
     def kill(self, service: str) -> None:
         self.services[service].popen.kill()
         self.services[service].popen.wait(timeout=30)
+
+    def restart(self, service: str) -> None:
+        """Starts an exited service again on its host, with the same command."""
+        assert self.services[service].popen.poll() is not None, f"{service} is still running"
+        self.services[service].popen = self.services[service].restart()
 
     def log(self, service: str) -> str:
         return self.services[service].log_path.read_text(errors="replace")
@@ -117,10 +124,12 @@ def _starter(testbed: Testbed, env: dict[str, str], logs: Path, services: dict[s
     def start(name: str, host: Host, argv: list[str]) -> None:
         command = [sys.executable, *argv] if argv[0] == "-m" else argv
         log_path = logs / f"{name}.log"
-        with open(log_path, "wb") as log_file:
-            popen = subprocess.Popen(testbed.command(host, command), env=env, stdout=log_file,
-                                     stderr=subprocess.STDOUT, cwd=ROOT)
-        services[name] = Service(name, host, popen, log_path)
+
+        def spawn() -> subprocess.Popen:
+            with open(log_path, "ab") as log_file:
+                return subprocess.Popen(testbed.command(host, command), env=env, stdout=log_file,
+                                        stderr=subprocess.STDOUT, cwd=ROOT)
+        services[name] = Service(name, host, spawn(), log_path, spawn)
     return start
 
 

@@ -18,7 +18,8 @@ from distserve.engine.model_loader import load_model
 from distserve.grpc_server import blocking_channel
 from distserve.v1 import router_pb2, router_pb2_grpc
 from tests.builders import compare_with_tolerance, reference_generate, token_request
-from tests.multihost.conftest import API_KEY, wait_registered
+from distserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
+from tests.multihost.conftest import API_KEY, PORTS, wait_registered
 
 MAX_TOKENS = 16
 LONG = 600  # tokens: still decoding when a host is lost
@@ -110,6 +111,28 @@ def test_a_lost_decode_host_moves_its_streams_to_the_other_with_identical_output
     finally:
         fleet.testbed.restore(victim)
     wait_registered(fleet, {"prefill": 1, "decode": 2})  # its worker is back once the link is
+
+
+def test_a_decode_host_drained_mid_stream_exits_0_and_its_streams_end_as_unfailed(fleet, reference_model):
+    """A Drain call over mutual TLS (the operator's certificate) with a one-second grace: the streams on
+    that host finish there or move to the other host, with identical output; the worker exits 0."""
+    requests = [token_request(p, max_tokens=LONG, ignore_eos=True) for p in prompts(4, reference_model.config.vocab_size, 7)]
+    unfailed = [s.result() for s in run(fleet, requests)]
+    streams = run(fleet, requests)
+    for stream in streams:
+        assert stream.decoding.wait(60), "a stream never reached decode"
+    host = next(h for h in (fleet.host("c"), fleet.host("d")) if h.address in streams[0].decode_workers[0])
+    with blocking_channel(f"{host.address}:{PORTS['decode']}", fleet.tls) as channel:
+        reply = lifecycle_pb2_grpc.LifecycleServiceStub(channel).Drain(
+            lifecycle_pb2.DrainRequest(reason="multihost test", grace_s=1), timeout=10)
+    assert reply.grace_s == 1 and not reply.already_draining
+    try:
+        assert [s.result() for s in streams] == unfailed
+        assert fleet.services[f"decode-{host.name}"].popen.wait(timeout=60) == 0
+    finally:
+        if fleet.services[f"decode-{host.name}"].popen.poll() is not None:
+            fleet.restart(f"decode-{host.name}")
+    wait_registered(fleet, {"prefill": 1, "decode": 2})
 
 
 def test_a_blocked_kv_pull_is_moved_to_the_other_decode_host(fleet, reference_model):

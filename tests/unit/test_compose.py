@@ -151,13 +151,23 @@ def test_prometheus_scrapes_every_service_at_its_metrics_port(services):
     mounts = _mounts(services["prometheus"])
     config = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
     jobs = _scraped(config)
-    expected = {}
+    expected: dict[str, set[str]] = {}  # job (a replica's job is its first's) -> targets
     for name, service in services.items():
         found = _metrics_port(service)
         if found is not None:
-            expected[name] = f"{name}:{found[1]}"
+            expected.setdefault(name.removesuffix("-2"), set()).add(f"{name}:{found[1]}")
     assert set(expected) == {"kvbroker", "router", "prefill", "decode", "colocated", "gateway"}
-    assert jobs == {name: {target} for name, target in expected.items()}
+    assert jobs == expected
+
+
+def test_two_kvbrokers_and_two_routers_run_and_every_client_is_told_both(services):
+    assert {"kvbroker-2", "router-2"} <= set(services)
+    for replica in ("kvbroker", "router"):
+        assert services[f"{replica}-2"]["command"] == services[replica]["command"]
+    environment = services["gateway"]["environment"]
+    assert environment["DISTSERVE_ROUTER_ADDRESS"] == "router:50051,router-2:50051"
+    for name in ("router", "router-2", "prefill", "decode"):
+        assert services[name]["environment"]["DISTSERVE_BROKER_ADDRESS"] == "kvbroker:50060,kvbroker-2:50060"
 
 
 def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(services):
