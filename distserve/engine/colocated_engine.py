@@ -11,7 +11,8 @@ bounds how much longer. The decoding rows ride on top of the budget rather than 
 out of it, a prompt of exactly the budget ran as two forwards, the second shared with the next
 prompt's head, and so did every prompt queued behind it (each one's first token a forward late).
 The batcher and decode engine keep their own policies and bookkeeping; this loop only drives both
-with one forward.
+with one forward. The batcher also reads cached prefixes from the decode engine's paged cache
+(distserve.engine.paged_prefix), where a chat's earlier turns and their answers are.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import time
 
 from distserve.engine.decode_engine import DecodeEngine
+from distserve.engine.paged_prefix import PagedPrefix
 from distserve.engine.prefill_batcher import PrefillBatcher, PrefillResult
 from distserve.engine.sequence import Sequence
 
@@ -35,6 +37,8 @@ class ColocatedEngine:
         self._wakeup = wakeup
         self.compute = decode.compute  # one forward thread for the worker (see distserve.engine.compute_thread)
         self.num_steps = 0
+        if decode.shared_blocks is not None:
+            prefill.add_prefix_source(PagedPrefix(decode.shared_blocks, decode.kv_cache.storage, decode.prefix))
 
     @property
     def max_batch_tokens(self) -> int:

@@ -96,7 +96,7 @@ class DecodeEngine:
         self._step_compute_s = 0.0
         self.num_reserving = 0  # requests waiting for free blocks
         self.cost = CostMeter()  # seconds per decoded token (a step over its batch), published for the router
-        self._prefix = prefix
+        self.prefix = prefix  # the namespace its shared blocks are keyed in (None: no sharing)
         self.shared_blocks = SharedBlocks(scheduler.allocator) if prefix is not None else None
 
     def share_cached_prefix(self, seq: Sequence, num_tokens: int) -> int:
@@ -130,7 +130,7 @@ class DecodeEngine:
         block_size, keys = self.kv_cache.block_size, seq.block_keys
         wanted = num_tokens // block_size
         if len(keys) < wanted:
-            parent = keys[-1] if keys else self._prefix.seed(seq.params.cache_salt)
+            parent = keys[-1] if keys else self.prefix.seed(seq.params.cache_salt)
             keys += block_keys(seq.tokens[len(keys) * block_size:wanted * block_size], block_size, parent)
         return keys[:wanted]
 

@@ -14,7 +14,8 @@ started on it and blocks were stored since: those tokens count as computed, so o
 scheduled. So prompts that arrive together with a shared prefix compute it once: the first one's
 chunks are stored as they finish, and the others, still waiting, find them. A prompt's first chunk
 copies its cached prefix into the buffer (and unpins it). Prompts that ask for prompt logprobs
-compute every token (their logits are wanted).
+compute every token (their logits are wanted). A colocated engine adds its paged cache as a second
+source (distserve.engine.paged_prefix), which also holds earlier answers; a prompt copies the longer run.
 The forward runs in a worker thread so the event loop keeps serving gRPC and UCX meanwhile.
 """
 
@@ -113,10 +114,11 @@ class _Pending:
     next_token: int | None = None  # known already (a migrated request): returned instead of sampling
     num_completions: int = 1  # n: completions started from this prompt (completion i seeded seed + i)
     prompt_logprobs: list[TokenLogprobs] | None = None  # grows chunk by chunk when params.prompt_logprobs is set
-    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache keys of the full blocks
+    # per prefix source (PrefillBatcher.prefix_sources, in order), the keys of the prompt's full blocks
+    block_keys: list[list[bytes]] = dataclasses.field(default_factory=list)
     cached: CachedPrefix | None = None  # pinned until the first chunk copies it into kv
     num_cached_tokens: int = 0
-    looked_up_at: int = -1  # the cache's stored-block count at the last look-up (-1: never looked up)
+    looked_up_at: tuple[int, ...] | None = None  # the sources' versions at the last look-up (None: never)
     grammar: Any = None  # params.structured compiled (xgrammar CompiledGrammar) before the prompt queued
 
     @property
@@ -156,6 +158,7 @@ class PrefillBatcher:
         self._grammars = grammars  # builds grammar states for constrained requests (None: refused)
         self.turns = turns
         self.prefix_cache = prefix_cache
+        self.prefix_sources: list[Any] = [prefix_cache] if prefix_cache is not None else []
         self.compute = ComputeThread("prefill-forward")
         self.max_batch_tokens = max_batch_tokens
         self._waiting: list[_Pending] = []
@@ -201,25 +204,37 @@ class PrefillBatcher:
         self._wakeup.set()
         return await pending.future
 
+    def add_prefix_source(self, source: Any) -> None:
+        """Another place prompts' KV may be cached in, with PrefixCache's lookup/load/release/keys/version
+        (distserve.engine.paged_prefix: a colocated worker's paged cache, which also holds answers)."""
+        self.prefix_sources.append(source)
+
     def _reuse_cached_prefix(self, pending: _Pending) -> None:
-        """(Re)pins the longest cached prefix of a prompt no chunk has started on, unless nothing was
-        stored since its last look-up; the prefix's tokens then count as computed."""
-        cache = self.prefix_cache
-        if cache is None or pending.kv is not None or pending.looked_up_at == cache.stats.stored_blocks:
+        """(Re)pins the longest cached prefix any source holds of a prompt no chunk has started on, unless
+        none stored blocks since its last look-up; the prefix's tokens then count as computed."""
+        sources = self.prefix_sources
+        versions = tuple(source.version for source in sources)
+        if not sources or pending.kv is not None or pending.looked_up_at == versions:
             return
-        if pending.looked_up_at < 0:
-            pending.block_keys = cache.keys(pending.prompt, pending.params.cache_salt)
-        pending.looked_up_at = cache.stats.stored_blocks
+        if pending.looked_up_at is None:
+            pending.block_keys = [source.keys(pending.prompt, pending.params.cache_salt) for source in sources]
+        pending.looked_up_at = versions
         if pending.params.prompt_logprobs is not None:
             return
-        previous, pending.cached = pending.cached, cache.lookup(pending.block_keys, len(pending.prompt))
-        if previous is not None:
-            cache.release(previous)
-        pending.num_computed = pending.num_cached_tokens = pending.cached.num_tokens
+        found = [source.lookup(keys, len(pending.prompt)) for source, keys in zip(sources, pending.block_keys)]
+        best = max(found, key=lambda prefix: prefix.num_tokens)  # the first source's on a tie
+        for prefix in found:
+            if prefix is not best:
+                prefix.source.release(prefix)
+        previous, pending.cached = pending.cached, best
+        if previous is not None:  # after the new look-up, so blocks in both stay pinned throughout
+            previous.source.release(previous)
+        pending.num_computed = pending.num_cached_tokens = best.num_tokens
 
-    def _unpin(self, pending: _Pending) -> None:
+    @staticmethod
+    def _unpin(pending: _Pending) -> None:
         if pending.cached is not None:
-            self.prefix_cache.release(pending.cached)
+            pending.cached.source.release(pending.cached)
             pending.cached = None
 
     def take_batch(self, budget: int) -> list[_Slice]:
@@ -324,8 +339,9 @@ class PrefillBatcher:
                 pending.kv = self._runner.new_kv_buffer(len(pending.prompt))
                 pending.started_at, pending.started_ns = started, start_ns
                 if pending.cached is not None:
-                    self.prefix_cache.load(pending.cached, pending.kv)
-                    self.prefix_cache.count_query(len(pending.prompt), pending.num_cached_tokens)
+                    pending.cached.source.load(pending.cached, pending.kv)
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.count_query(len(pending.prompt), pending.num_cached_tokens)
                     self._unpin(pending)
             begin = pending.num_computed
             piece.work = PrefillWork(pending.prompt[begin:begin + piece.num_tokens], begin, pending.kv, piece.is_last,
@@ -344,8 +360,9 @@ class PrefillBatcher:
             piece.pending.num_computed += piece.num_tokens
             piece.pending.num_chunks += 1
             if self.prefix_cache is not None:  # every block this chunk completed, for prompts still waiting
-                computed = piece.pending.block_keys[:piece.pending.num_computed // self.prefix_cache.block_size]
-                self.prefix_cache.store(computed, piece.pending.kv)
+                keys = piece.pending.block_keys[0]  # the prefix cache is the first source
+                self.prefix_cache.store(keys[:piece.pending.num_computed // self.prefix_cache.block_size],
+                                        piece.pending.kv)
         num_tokens = sum(s.num_tokens for s in batch)
         return [self._result(s.pending, logits[row], ended, end_ns, len(batch), num_tokens)
                 for row, s in enumerate(finishing)]

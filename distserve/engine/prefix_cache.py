@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+from typing import Any
 
 import torch
 
@@ -30,10 +31,12 @@ from distserve.prefix_hash import PrefixNamespace, block_keys, longest_run
 
 @dataclasses.dataclass
 class CachedPrefix:
-    """Pinned blocks holding the KV of a prompt's first num_tokens tokens, in order."""
+    """Pinned blocks holding the KV of a prompt's first num_tokens tokens, in order, in `source` (the
+    PrefixCache or distserve.engine.paged_prefix.PagedPrefix that loads and releases them)."""
 
     blocks: list[int]
     block_size: int
+    source: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,11 @@ class PrefixCache:
     def num_cached_blocks(self) -> int:
         return len(self._block_of)
 
+    @property
+    def version(self) -> int:
+        """Grows whenever blocks are stored: a look-up that found nothing may find more after it does."""
+        return self.stats.stored_blocks
+
     def keys(self, prompt: list[int], cache_salt: str = "") -> list[bytes]:
         """The keys of the prompt's full blocks."""
         return block_keys(prompt, self.block_size, self.namespace.seed(cache_salt))
@@ -85,7 +93,7 @@ class PrefixCache:
             for block in blocks:
                 self._lru.pop(block, None)
                 self._refs[block] = self._refs.get(block, 0) + 1
-        return CachedPrefix(blocks, self.block_size)
+        return CachedPrefix(blocks, self.block_size, source=self)
 
     def count_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Counts one prompt's look-up: its tokens, and those it found cached."""

@@ -21,6 +21,7 @@ class SharedBlocks:
         self._allocator = allocator
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
+        self.num_listed = 0  # blocks listed since start: grows on every add that lists one
         allocator.keeps = self._key_of.__contains__  # a listed block stays cached when its last holder frees it
         allocator.on_evict = self._forget
 
@@ -40,6 +41,11 @@ class SharedBlocks:
         for key, block in zip(keys, blocks):
             if key not in self._block_of and block not in self._key_of:
                 self._block_of[key], self._key_of[block] = block, key
+                self.num_listed += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drops the holder `take` added to each block."""
+        self._allocator.free(blocks)
 
     def _forget(self, blocks: list[int]) -> None:
         for block in blocks:

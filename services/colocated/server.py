@@ -47,10 +47,14 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
             if error or params.max_tokens <= 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error or "sampling.max_tokens: must be > 0")
             prompt = list(request.prompt_token_ids)
-            blocks = await self._reserve_blocks(len(prompt), params.max_tokens, context)
-            seq = Sequence(rid, prompt, len(prompt), params, blocks, asyncio.Queue())
+            seq = Sequence(rid, prompt, len(prompt), params, [], asyncio.Queue())
+            # Blocks holding the prompt's head (a chat's earlier turns) are taken before the reservation,
+            # which could otherwise evict them to make room.
+            self._engine.decode.share_cached_prefix(seq, len(prompt))
             in_engine = False
             try:
+                seq.block_table += await self._reserve_blocks(len(prompt), params.max_tokens, context,
+                                                              held_blocks=len(seq.block_table))
                 result = await self._engine.prefill.submit(prompt, params)
                 self._record_prefill(rid, len(prompt), result)
                 yield colocated_pb2.PrefillAndDecodeResponse(
@@ -72,12 +76,14 @@ class ColocatedServicer(colocated_pb2_grpc.ColocatedServiceServicer):
                 elif seq.finish_reason is None:
                     self._engine.decode.abort(seq)
 
-    async def _reserve_blocks(self, prompt_len: int, max_tokens: int, context) -> list[int]:
-        """Blocks for the whole request up front: a request is admitted only when it can finish."""
+    async def _reserve_blocks(self, prompt_len: int, max_tokens: int, context, held_blocks: int = 0) -> list[int]:
+        """Blocks for the whole request up front, less the `held_blocks` it shares already: a request is
+        admitted only when it can finish."""
         try:
             # whole life: never preempted (a decode worker's own sequences reserve ahead and may be)
             return await self._engine.decode.reserve_for(prompt_len, max_tokens, self._config.admission_timeout_s,
-                                                        self._config.max_waiting_for_blocks, whole_life=True)
+                                                        self._config.max_waiting_for_blocks, whole_life=True,
+                                                        held_blocks=held_blocks)
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 

@@ -51,6 +51,10 @@ SPILL_HOLD_S = 1.0
 # A decode worker holding a prompt's blocks is chosen over the least loaded one when it runs at most this
 # many sequences more: it pulls only the rest of the KV, for at most this much imbalance in the batches.
 DECODE_AFFINITY_SLACK = 1
+# A chat's next turn is prefilled on the half of the decode worker holding its last turn and answer
+# (pick_prefix_spill) when that saves at least this many prompt tokens over the best prefill worker: a
+# whole block's worth of compute and transfer, a small fraction of a turn.
+PREFIX_SPILL_MIN_TOKENS = 64
 # After Redis lost its data (a restart without persistence), the workers it listed are kept this long, or
 # until each registers again at its next heartbeat (1 s by default): a router that believed the empty
 # registry would refuse every request meanwhile, and forget what each worker caches.
@@ -208,6 +212,30 @@ class WorkerPicker:
                   and (side != "prefill" or self._takes_another_prompt(w, prompt_tokens))]
         return min(others, key=lambda w: busy[w.worker_id], default=None)
 
+    def pick_prefix_spill(self, prompt_tokens: int, num_tokens: int,
+                          prompt: PromptBlocks | None) -> tuple[WorkerRecord, int] | None:
+        """The spill-only half of the decode worker that holds far more of this prompt than any prefill
+        worker (a chat's last turn with its answer, which prefill workers never computed), and the
+        prompt tokens it holds: prefilling there computes only the new ones, copying the rest from its
+        paged cache (distserve.engine.paged_prefix), and moves no KV. Only where that saves at least
+        PREFIX_SPILL_MIN_TOKENS, the tokens left to compute there (the decode batch waits for them) are
+        no more than those saved, and the half has no prompt queued; None otherwise."""
+        if prompt is None:
+            return None
+        halves = {w.worker_id: w for w in self._colocated_fitting(num_tokens, spill_only=True)}
+        best_prefill = max((self.cached_tokens(w, prompt) for w in self.workers("prefill")), default=0)
+        best = None
+        for worker in self.workers("decode"):
+            half = halves.get(worker.worker_id)
+            if half is None or self._prompt_tokens_outstanding(half):
+                continue
+            held = min(self.decode_cached_tokens(worker, prompt), prompt_tokens - 1)
+            saved = held - best_prefill
+            if saved >= PREFIX_SPILL_MIN_TOKENS and prompt_tokens - held <= saved:
+                if best is None or held > best[1]:
+                    best = (half, held)
+        return best
+
     def _takes_another_prompt(self, decode_half: WorkerRecord, prompt_tokens: int) -> bool:
         """Past the prompt mark, whether a decode worker's half queues this prompt too: while it has none
         outstanding, or while the pair's queue is a burst (SpillPolicy.burst_tokens). Each spilled prompt is a fused
@@ -350,6 +378,15 @@ class WorkerPicker:
         block_size = int(w.load.get("block_size", 0))
         if block_size and w.load.get("prefix_caching"):
             self.decode_blocks.record(w.worker_id, tokens.keys(block_size), int(w.load.get("total_blocks", 0)))
+
+    def remember_conversation(self, colocated: WorkerRecord, tokens: PromptBlocks) -> None:
+        """Records that a colocated worker, or the decode worker a spill-only record belongs to, keeps a
+        finished stream's prompt and answer cached (its prefill reads them from its paged cache)."""
+        owner = next((w for w in self._workers["decode"] if w.worker_id == colocated.worker_id), None)
+        if owner is not None:
+            self.remember_decoded(owner, tokens)
+        elif not colocated.load.get("spill_only"):
+            self.remember(colocated, tokens)
 
     def track_prompt(self, worker: WorkerRecord, num_tokens: int):
         """Counts num_tokens of prompt as in flight on worker (until its first token) for the block."""

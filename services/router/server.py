@@ -143,6 +143,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                "n: colocated workers serve one completion per request (n = 1, no best_of)")
         num_tokens, blocks = self._kv_tokens(req), req.prompt_blocks(self._model_name)
+        follow_up = self._picker.pick_prefix_spill(len(req.prompt), num_tokens, blocks)
+        if follow_up is not None:
+            half, held = follow_up
+            return self._routed_colocated(req, half, f"its decode worker holds {held} of the prompt's tokens "
+                                          "(a chat's last turn and answer)", expected_cached=held)
         spill = self._picker.pick_spill(len(req.prompt), num_tokens, blocks)
         if spill is not None:
             await self._picker.announce_spill()
@@ -159,10 +164,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return self._routed_colocated(req, colocated, "fewest outstanding prompt tokens "
                                       f"({colocated.load.get('outstanding_tokens', 0)} reported)")
 
-    def _routed_colocated(self, req: RequestState, colocated: WorkerRecord, reason: str) -> WorkerRecord:
-        """Records the colocated route (span, log and prefix index) and returns its worker."""
+    def _routed_colocated(self, req: RequestState, colocated: WorkerRecord, reason: str,
+                          expected_cached: int | None = None) -> WorkerRecord:
+        """Records the colocated route (span, log and prefix index) and returns its worker; expected_cached:
+        the prompt tokens it is known to hold, where the prefix index of prefill caches does not know."""
         with tracing.span("route", req.request_id) as span:
             req.expected_cached_tokens = self._expect_cached(req, colocated)
+            if expected_cached is not None:
+                req.expected_cached_tokens = expected_cached
             span.set_attributes({"distserve.colocated.worker": colocated.worker_id,
                                  "distserve.colocated.expected_cached_tokens": req.expected_cached_tokens,
                                  "distserve.colocated.reason": reason,
@@ -181,6 +190,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         try:
             async for message in self._colocated_attempt(req, worker):
                 yield message
+            if len(req.completions) == 1:  # its blocks stay cached there: the next turn's prefix
+                self._picker.remember_conversation(worker, PromptBlocks(
+                    self._model_name, req.prompt + req.outputs[:-1], req.params.cache_salt))
             return
         except StageFailed as failure:
             if not self._picker.workers("decode"):

@@ -99,3 +99,21 @@ def test_each_worker_serves_a_whole_request_itself(spilling, reference_model, na
     tokens = [t for r in responses for t in r.token_ids]
     ok, _ = compare_with_tolerance(tokens, reference_generate(reference_model, prompt, MAX_TOKENS))
     assert ok, (name, tokens)
+
+
+def test_a_chats_next_turn_is_prefilled_on_the_decode_worker_holding_its_last_turn_and_answer(spilling,
+                                                                                              reference_model):
+    """Turn 1 runs on the pair; its decode worker keeps the prompt and the answer. Turn 2 (turn 1, the
+    answer, a new message) goes whole to that worker's half, which copies what it holds from its paged
+    cache and computes only the rest: no prefill worker ever computed the answer. Token-exact."""
+    vocab = reference_model.config.vocab_size
+    turn1 = make_prompts(vocab)[0][:40]
+    answer1 = generate(spilling.router_address, token_request(turn1, max_tokens=120, ignore_eos=True))
+    assert answer1.messages[0].prefill_worker != answer1.messages[0].decode_worker  # the pair, not spilled
+    turn2 = turn1 + answer1.token_ids + make_prompts(vocab)[1][:25]
+    answer2 = generate(spilling.router_address, token_request(turn2, max_tokens=MAX_TOKENS))
+    decode_worker = answer1.messages[0].decode_worker
+    assert (answer2.messages[0].prefill_worker, answer2.messages[0].decode_worker) == (decode_worker, decode_worker)
+    assert answer2.last.usage.cached_tokens == (len(turn1) + len(answer1.token_ids) - 1) // 16 * 16
+    ok, _ = compare_with_tolerance(answer2.token_ids, reference_generate(reference_model, turn2, MAX_TOKENS))
+    assert ok, answer2.token_ids

@@ -402,3 +402,43 @@ async def test_with_redis_data_intact_a_worker_that_leaves_is_gone_at_once():
     registry.listed["prefill"] = []  # deregistered (drained)
     await picker.refresh()
     assert picker.workers("prefill") == []
+
+
+def test_a_chats_next_turn_is_prefilled_on_the_half_of_the_decode_worker_holding_its_last_turn():
+    """The decode worker holds turn 1's prompt and answer (1000 tokens); prefill workers hold at most
+    the prompt (800): its half prefills turn 2 computing only the new tokens."""
+    halves = [spill_record("p"), spill_record("d", total=1000)]
+    picker = spill_fleet(spill=halves)
+    picker._workers["prefill"] = [caching_prefill("p")]
+    turn1, turn1_and_answer = list(range(800)), list(range(1000))
+    turn2 = PromptBlocks("m", turn1_and_answer + [7] * 50)
+    assert picker.pick_prefix_spill(1050, 1100, turn2) is None  # nothing held anywhere
+    picker.remember(picker.workers("prefill")[0], PromptBlocks("m", turn1))
+    picker.remember_conversation(halves[1], PromptBlocks("m", turn1_and_answer))  # d's spill half finished it
+    half, held = picker.pick_prefix_spill(1050, 1100, turn2)
+    assert half is halves[1] and held == 992  # 62 full blocks
+    with picker.track_prompt(halves[1], 100):  # a prompt queued there already: not this one too
+        assert picker.pick_prefix_spill(1050, 1100, turn2) is None
+    assert picker.pick_prefix_spill(1050, 1100, None) is None
+
+
+def test_no_prefix_spill_where_it_saves_little_or_leaves_more_to_compute_than_it_saves():
+    halves = [spill_record("p"), spill_record("d", total=1000)]
+    picker = spill_fleet(spill=halves)
+    picker._workers["prefill"] = [caching_prefill("p")]
+    picker.remember_decoded(picker.workers("decode")[0], PromptBlocks("m", list(range(200))))
+    picker.remember(picker.workers("prefill")[0], PromptBlocks("m", list(range(160))))
+    assert picker.pick_prefix_spill(230, 300, PromptBlocks("m", list(range(230)))) is None  # saves 32 < 64
+    picker.remember(picker.workers("prefill")[0], PromptBlocks("m", [9] * 16))  # nothing in common
+    long_tail = PromptBlocks("m", list(range(200)) + [5] * 300)  # saves 192 of 500; 308 left to compute
+    picker._workers["prefill"] = [caching_prefill("q")]
+    assert picker.pick_prefix_spill(500, 600, long_tail) is None
+
+
+def test_a_finished_colocated_stream_is_remembered_where_its_blocks_stay():
+    dedicated = colocated("c")
+    dedicated.load.update(prefix_block_size=16, prefix_cache_blocks=1000)
+    picker = picker_with([], [], [dedicated])
+    chat = PromptBlocks("m", list(range(64)))
+    picker.remember_conversation(dedicated, chat)
+    assert picker.cached_tokens(dedicated, chat) == 64
