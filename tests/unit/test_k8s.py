@@ -1,10 +1,14 @@
 """deploy/k8s: every overlay renders with `kubectl kustomize`, every object validates against the Kubernetes
 1.32 API schemas (kubernetes-validate, offline, strict), and the manifests keep the properties the docs
 promise: probes, non-root pods, drains that outlast their grace, budgets, network policies, autoscalers
-on metrics the workers export, one GPU per worker in the GPU overlay."""
+on metrics the workers export, one GPU per worker in the GPU overlay; and they agree with the services:
+every entrypoint exists, every flag and DISTSERVE_* variable they set is one a service reads, and every
+probe is on the port the service serves."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import re
 import shutil
 import subprocess
@@ -129,3 +133,60 @@ def test_redis_requires_the_secret_password_and_every_service_presents_it(object
         if name != "redis":
             env = {e["name"]: e.get("value", "") for e in container(deployment).get("env", [])}
             assert env["DISTSERVE_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0", name
+
+
+# The module each manifest runs -> its config class and the prefix of its environment variables.
+CONFIGS = {"services.router": ("services.router.config", "RouterConfig", "DISTSERVE_ROUTER_"),
+           "services.router.gateway": ("services.router.gateway.config", "GatewayConfig", "DISTSERVE_GATEWAY_"),
+           "services.kvbroker": ("services.kvbroker.config", "KvBrokerConfig", "DISTSERVE_KVBROKER_"),
+           "services.prefill": ("services.prefill.config", "PrefillConfig", "DISTSERVE_PREFILL_"),
+           "services.decode": ("services.decode.config", "DecodeConfig", "DISTSERVE_DECODE_"),
+           "services.colocated": ("services.colocated.config", "ColocatedConfig", "DISTSERVE_COLOCATED_")}
+
+
+def config_of(module: str):
+    """(config class, env prefix) of a service module, checked against what its __main__ parses."""
+    path, name, prefix = CONFIGS[module]
+    source = (ROOT / module.replace(".", "/") / "__main__.py").read_text()
+    assert f'parse_config({name}, argv, prefix="{prefix}")' in source, f"{module} no longer parses {name}"
+    return getattr(importlib.import_module(path), name), prefix
+
+
+def known_environment() -> set[str]:
+    """Every DISTSERVE_* variable something reads: config fields' names, and names in the sources."""
+    from distserve.config import env_name
+    names = set()
+    for module in CONFIGS:
+        cls, prefix = config_of(module)
+        names |= {env_name(field, prefix) for field in dataclasses.fields(cls)}
+    for folder in ("distserve", "services"):
+        for source in (ROOT / folder).rglob("*.py"):
+            names |= set(re.findall(r'"(DISTSERVE_[A-Z0-9_]+)"', source.read_text()))
+    return names
+
+
+def test_manifests_run_real_entrypoints_with_real_flags_variables_and_probe_ports(objects):
+    known = known_environment()
+    shared = {key for o in of_kind(objects, "ConfigMap").values() for key in o.get("data", {})}
+    assert {name for name in shared if name.startswith("DISTSERVE_")} <= known
+    for name, deployment in of_kind(objects, "Deployment").items():
+        main = container(deployment)
+        argv = main.get("command", []) + main.get("args", [])
+        if "-m" not in argv:
+            continue  # redis
+        module = argv[argv.index("-m") + 1]
+        assert (ROOT / module.replace(".", "/") / "__main__.py").is_file(), f"{name}: no entrypoint {module}"
+        cls, _ = config_of(module)
+        flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(cls) if f.metadata.get("flag", True)}
+        assert {a for a in argv if a.startswith("--")} <= flags, f"{name}: flags {module} does not take"
+        env = {e["name"] for e in main.get("env", []) if e["name"].startswith("DISTSERVE_")}
+        assert env <= known, f"{name}: variables nothing reads: {env - known}"
+        ports = {p["containerPort"] for p in main["ports"]} | {p["name"] for p in main["ports"]}
+        serving = int(flag(argv, "--port"))
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe not in main:
+                continue
+            target = main[probe].get("grpc", main[probe].get("httpGet"))
+            assert target["port"] in ports, f"{name}: {probe} on port {target['port']}, not one it declares"
+            named = {p["name"]: p["containerPort"] for p in main["ports"]}
+            assert named.get(target["port"], target["port"]) == serving, f"{name}: {probe} misses --port"
