@@ -67,6 +67,3 @@ class PagedPrefix:
             self._shared.release(blocks)
         else:
             self._loop.call_soon_threadsafe(self._shared.release, blocks)
-
-    def count_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        """Look-ups are counted by the prefill side's own cache (distserve:prefix_cache_* metrics)."""
