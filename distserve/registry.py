@@ -102,30 +102,60 @@ class WorkerRegistry:
     async def data_epoch(self) -> str:
         """An id of Redis's data: it changes when Redis loses its keys (restart without persistence,
         flush), as the first reader after that writes a fresh one. Needs SET and GET on EPOCH_KEY."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
-            pipe.get(EPOCH_KEY)
-            _, epoch = await pipe.execute()
-        return epoch.decode()
+        return (await self.snapshot(())).epoch
 
     async def list(self, role: str) -> list[WorkerRecord]:
         """Live workers of a role; records that fail to parse are skipped (and logged)."""
-        return (await self.list_and_lapsed(role))[0]
+        return (await self._read((role,), with_epoch=False)).workers[role]
 
     async def list_and_lapsed(self, role: str) -> tuple[list[WorkerRecord], set[str]]:
-        """Live workers of a role, and the ids of those whose lease lapsed within LAPSED_KEPT_S (they
-        stopped heartbeating without deregistering: hung, paused or dead)."""
+        """Live workers of a role, and the ids of those whose lease lapsed within LAPSED_KEPT_S."""
+        found = await self._read((role,), with_epoch=False)
+        return found.workers[role], found.lapsed
+
+    async def snapshot(self, roles: tuple[str, ...]) -> RegistrySnapshot:
+        """The data epoch, and every role's live and lapsed workers (index entries lapsed longer than
+        LAPSED_KEPT_S are pruned), in three round trips whatever the number of roles (a router refreshes
+        twice a second). Needs the router's grants (SET and GET on EPOCH_KEY)."""
+        return await self._read(roles, with_epoch=True)
+
+    async def _read(self, roles: tuple[str, ...], with_epoch: bool) -> RegistrySnapshot:
         now = await server_time(self._redis)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zremrangebyscore(index_key(role), "-inf", now - LAPSED_KEPT_S)
-            pipe.zrange(index_key(role), 0, -1, withscores=True)
-            _, entries = await pipe.execute()
-        ids = [i.decode() for i, expires_at in entries if expires_at > now]
-        lapsed = {i.decode() for i, expires_at in entries if expires_at <= now}
-        if not ids:
-            return [], lapsed
-        values = await self._redis.mget([worker_key(role, i) for i in ids])
-        return _parse_records(role, ids, values, self._signer), lapsed
+            if with_epoch:
+                pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
+                pipe.get(EPOCH_KEY)
+            for role in roles:
+                pipe.zremrangebyscore(index_key(role), "-inf", now - LAPSED_KEPT_S)
+                pipe.zrange(index_key(role), 0, -1, withscores=True)
+            replies = await pipe.execute()
+        epoch = replies[1].decode() if with_epoch else ""
+        found = RegistrySnapshot(epoch, {role: [] for role in roles}, set())
+        entries = replies[2 if with_epoch else 0:][1::2]
+        live = {}
+        for role, listed in zip(roles, entries):
+            live[role] = [i.decode() for i, expires_at in listed if expires_at > now]
+            found.lapsed |= {i.decode() for i, expires_at in listed if expires_at <= now}
+        if not any(live.values()):
+            return found
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for role in roles:
+                if live[role]:
+                    pipe.mget([worker_key(role, i) for i in live[role]])
+            values = iter(await pipe.execute())
+        for role in roles:
+            if live[role]:
+                found.workers[role] = _parse_records(role, live[role], next(values), self._signer)
+        return found
+
+
+@dataclasses.dataclass
+class RegistrySnapshot:
+    """One read of the registry (WorkerRegistry.snapshot)."""
+
+    epoch: str  # WorkerRegistry.data_epoch ("" where not read)
+    workers: dict[str, list[WorkerRecord]]  # role -> live workers
+    lapsed: set[str]  # ids of workers whose lease lapsed within LAPSED_KEPT_S: hung, paused or dead
 
 
 def lists_now(client: redis.Redis, roles: tuple[str, ...],

@@ -8,14 +8,17 @@ import dataclasses
 import grpc
 import torch
 
+from distserve.engine.colocated_engine import ColocatedEngine
 from distserve.engine.decode_engine import DecodeEngine
 from distserve.engine.decode_scheduler import DecodeScheduler
 from distserve.engine.kv_cache import BlockAllocator, PagedKvCache, blocks_needed
 from distserve.engine.model_runner import ModelRunner
+from distserve.engine.prefill_batcher import PrefillBatcher
 from distserve.model_spec import ModelSpec
+from distserve.prefix_hash import PrefixNamespace
 from distserve.request_types import SamplingParams
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from distserve.engine.sequence import Sequence
+from distserve.engine.sequence import Sequence, stream_outputs
 
 
 def sampling(max_tokens: int = 16, temperature: float = 0.0, **kwargs) -> common_pb2.SamplingParams:
@@ -142,3 +145,31 @@ def engine_with_runner(runner: ModelRunner, token_lists: list[list[int]], params
         cache.write_prompt(table, kv)
         seqs.append(Sequence(f"r{i}", list(tokens), len(tokens) - 1, seq_params, table, asyncio.Queue()))
     return engine, seqs
+
+
+def colocated_engine(runner: ModelRunner, spec: ModelSpec, *, block_size: int = 16, num_blocks: int = 64,
+                     token_budget: int = 256, prefix: PrefixNamespace | None = None) -> ColocatedEngine:
+    """A float32 CPU colocated engine over `runner`, as the colocated worker assembles one; `prefix` lists
+    finished sequences' blocks for the prefill side to reuse (PagedPrefix)."""
+    cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size, torch.float32,
+                         "cpu")
+    wakeup = asyncio.Event()
+    prefill = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, token_budget, wakeup)
+    scheduler = DecodeScheduler(cache.allocator, block_size, 8, spec.max_context)
+    decode = DecodeEngine(runner, cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, prefix=prefix)
+    return ColocatedEngine(prefill, decode, wakeup)
+
+
+async def serve_colocated(engine: ColocatedEngine, prompt: list[int], max_tokens: int,
+                          request_id: str = "r") -> tuple[list[int], int]:
+    """One greedy request as the colocated servicer serves it, minus gRPC: its tokens and its cached
+    prompt tokens. The engine's loop (engine.run()) must be running."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    blocks = await engine.decode.reserve(engine.decode.scheduler.blocks_for(len(prompt), max_tokens))
+    result = await engine.prefill.submit(prompt, params)
+    seq = Sequence(request_id, prompt + [result.first_token], len(prompt), params, blocks, asyncio.Queue())
+    engine.hand_off(result, seq)
+    tokens = [result.first_token]
+    async for token_ids, _, _ in stream_outputs(seq):
+        tokens += token_ids
+    return tokens, result.num_cached_tokens

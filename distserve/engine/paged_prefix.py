@@ -21,7 +21,7 @@ import torch
 
 from distserve.engine.prefix_cache import CachedPrefix
 from distserve.engine.shared_blocks import SharedBlocks
-from distserve.prefix_hash import PrefixNamespace, block_keys
+from distserve.prefix_hash import PrefixNamespace, block_keys, reusable_keys
 
 
 class PagedPrefix:
@@ -47,7 +47,7 @@ class PagedPrefix:
         """Pins the longest listed run of `keys`, leaving at least the prompt's last token to compute."""
         if self._loop is None:
             self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
-        usable = keys[:(num_prompt_tokens - 1) // self.block_size]
+        usable = reusable_keys(keys, num_prompt_tokens, self.block_size)
         return CachedPrefix(self._shared.take(usable), self.block_size, source=self)
 
     def load(self, prefix: CachedPrefix, kv: torch.Tensor) -> None:

@@ -199,7 +199,7 @@ class PrefillBatcher:
         if params.structured is not None and self._grammars is not None and next_token is None:
             # Compiled here, off the forward thread: a slow compile holds this prompt back, not the batch.
             pending.grammar = await asyncio.to_thread(self._grammars.compiled, params.structured)
-        self._reuse_cached_prefix(pending)
+        self._reuse_cached_prefix(pending, self._source_versions())
         self._waiting.append(pending)
         self._wakeup.set()
         return await pending.future
@@ -209,11 +209,14 @@ class PrefillBatcher:
         (distserve.engine.paged_prefix: a colocated worker's paged cache, which also holds answers)."""
         self.prefix_sources.append(source)
 
-    def _reuse_cached_prefix(self, pending: _Pending) -> None:
+    def _source_versions(self) -> tuple[int, ...]:
+        return tuple(source.version for source in self.prefix_sources)
+
+    def _reuse_cached_prefix(self, pending: _Pending, versions: tuple[int, ...]) -> None:
         """(Re)pins the longest cached prefix any source holds of a prompt no chunk has started on, unless
-        none stored blocks since its last look-up; the prefix's tokens then count as computed."""
+        none stored blocks since its last look-up (`versions`: the sources' versions now); the prefix's
+        tokens then count as computed."""
         sources = self.prefix_sources
-        versions = tuple(source.version for source in sources)
         if not sources or pending.kv is not None or pending.looked_up_at == versions:
             return
         if pending.looked_up_at is None:
@@ -245,8 +248,9 @@ class PrefillBatcher:
             if pending.future.done():  # cancelled or expired before its first chunk
                 self._unpin(pending)
         self._waiting = [p for p in self._waiting if not p.future.done()]
+        versions = self._source_versions()
         for pending in self._waiting:
-            self._reuse_cached_prefix(pending)
+            self._reuse_cached_prefix(pending, versions)
         order = sorted(self._waiting, key=lambda p: p.num_skipped < MAX_SKIPS)  # stable: starving first
         taken = {}
         for pending in order:  # whole prompts that fit; a starving one takes what it can

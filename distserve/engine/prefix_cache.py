@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from distserve.prefix_hash import PrefixNamespace, block_keys, longest_run
+from distserve.prefix_events import PREFILL_CACHE, PrefixEventLog
+from distserve.prefix_hash import PrefixNamespace, block_keys, longest_run, reusable_keys
 
 
 @dataclasses.dataclass
@@ -69,6 +70,7 @@ class PrefixCache:
         self._key_of: dict[int, bytes] = {}
         self._refs: dict[int, int] = {}  # pinned blocks only
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unpinned; oldest first
+        self.events: PrefixEventLog | None = None  # told what is stored and evicted (the routers' index)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -87,7 +89,7 @@ class PrefixCache:
         """Pins the longest cached run of `keys` from the first, leaving at least the prompt's last token
         to compute (its logits give the first token). Release the result (`release`) once copied or dropped.
         Counts nothing: `count_query` records the look-up whose result a prompt used."""
-        usable = keys[:(num_prompt_tokens - 1) // self.block_size]
+        usable = reusable_keys(keys, num_prompt_tokens, self.block_size)
         with self._lock:
             blocks = longest_run(usable, self._block_of)
             for block in blocks:
@@ -124,16 +126,19 @@ class PrefixCache:
     def store(self, keys: list[bytes], kv: torch.Tensor) -> int:
         """Caches the full blocks of a computed prompt, kv [L, 2, T, Hkv, D] whose full blocks `keys`
         name, that are not cached yet; evicts unpinned blocks as needed. Returns how many it stored."""
+        evicted: list[bytes] = []
         with self._lock:
             self._touch_chain(keys)  # the chain's cached blocks are not what this store evicts
             todo = [(i, key) for i, key in enumerate(keys) if key not in self._block_of]
             taken = []
             for _ in todo:
-                block = self._take_block()
+                block = self._take_block(evicted)
                 if block is None:
                     break
                 taken.append(block)
         todo = todo[:len(taken)]
+        if self.events is not None:
+            self.events.evicted(PREFILL_CACHE, evicted)
         bs = self.block_size
         for (i, _), block in zip(todo, taken):
             self.storage[:, :, block] = kv[:, :, i * bs:(i + 1) * bs]
@@ -143,6 +148,8 @@ class PrefixCache:
                 self._lru[block] = None
             self._touch_chain(keys)
             self.stats.stored_blocks += len(taken)
+        if self.events is not None:
+            self.events.stored(PREFILL_CACHE, [key for _, key in todo])
         return len(taken)
 
     def _touch_chain(self, keys: list[bytes]) -> None:
@@ -153,14 +160,17 @@ class PrefixCache:
             if block is not None and block in self._lru:
                 self._lru.move_to_end(block)
 
-    def _take_block(self) -> int | None:
-        """A block to write: a free one, else the least recently used unpinned one (evicted). Under the lock."""
+    def _take_block(self, evicted: list[bytes]) -> int | None:
+        """A block to write: a free one, else the least recently used unpinned one (evicted: its key is
+        appended to `evicted`). Under the lock."""
         if self._free:
             return self._free.pop()
         if not self._lru:
             return None
         block, _ = self._lru.popitem(last=False)
-        del self._block_of[self._key_of.pop(block)]
+        key = self._key_of.pop(block)
+        del self._block_of[key]
+        evicted.append(key)
         self.stats.evicted_blocks += 1
         return block
 

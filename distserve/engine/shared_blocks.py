@@ -13,6 +13,7 @@ listed block's KV stays what its key says. Event-loop only, like the allocator.
 from __future__ import annotations
 
 from distserve.engine.kv_cache import BlockAllocator
+from distserve.prefix_events import PAGED_CACHE, PrefixEventLog
 from distserve.prefix_hash import longest_run
 
 
@@ -22,6 +23,7 @@ class SharedBlocks:
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self.num_listed = 0  # blocks listed since start: grows on every add that lists one
+        self.events: PrefixEventLog | None = None  # told what is listed and forgotten (the routers' index)
         allocator.keeps = self._key_of.__contains__  # a listed block stays cached when its last holder frees it
         allocator.on_evict = self._forget
 
@@ -38,17 +40,25 @@ class SharedBlocks:
 
     def add(self, keys: list[bytes], blocks: list[int]) -> None:
         """Lists blocks whose KV is written, keys[i] for blocks[i]; a key listed already keeps its block."""
+        listed = []
         for key, block in zip(keys, blocks):
             if key not in self._block_of and block not in self._key_of:
                 self._block_of[key], self._key_of[block] = block, key
-                self.num_listed += 1
+                listed.append(key)
+        self.num_listed += len(listed)
+        if self.events is not None:
+            self.events.stored(PAGED_CACHE, listed)
 
     def release(self, blocks: list[int]) -> None:
         """Drops the holder `take` added to each block."""
         self._allocator.free(blocks)
 
     def _forget(self, blocks: list[int]) -> None:
+        forgotten = []
         for block in blocks:
             key = self._key_of.pop(block, None)
             if key is not None:
                 del self._block_of[key]
+                forgotten.append(key)
+        if self.events is not None:
+            self.events.evicted(PAGED_CACHE, forgotten)

@@ -24,6 +24,7 @@ from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.v1 import colocated_pb2_grpc
 from distserve.worker_lifecycle import serve_worker
+from distserve.prefix_events import attach_prefix_events
 from services.colocated.build import build_decode_side, build_prefill_side, colocated_load
 from services.colocated.config import ColocatedConfig
 from services.colocated.server import ColocatedServicer
@@ -52,6 +53,7 @@ async def serve(config: ColocatedConfig) -> None:
     servicer = ColocatedServicer(config, spec, engine, metrics)
     serve_metrics(config.metrics_port, config.host)
     worker_id = config.resolved_worker_id
+    publish_events = attach_prefix_events(redis, worker_id, engine.prefill.prefix_cache, engine.decode.shared_blocks)
 
     def record() -> WorkerRecord:
         usage = engine.decode.usage()
@@ -67,7 +69,7 @@ async def serve(config: ColocatedConfig) -> None:
              engine.decode.usage().num_blocks, engine.max_batch_tokens, path)
     try:
         await serve_worker(f"{config.host}:{config.port}", [service], registry, [record], config.heartbeat_s,
-                           [engine.run], config.grace_s, config.drain_s, tls=config,
+                           [engine.run, *publish_events], config.grace_s, config.drain_s, tls=config,
                            max_concurrent_streams=config.max_concurrent_streams)
     finally:
         await redis.aclose()

@@ -29,6 +29,7 @@ from distserve.worker_lifecycle import serve_worker
 from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.transfer import connector
 from distserve.transfer.connector import KvConsumer
+from distserve.prefix_events import attach_prefix_events
 from distserve.v1 import decode_pb2_grpc
 from services.colocated.build import also_colocated, build_prefill_side
 from services.colocated.config import ColocatedConfig
@@ -113,11 +114,14 @@ async def serve(config: DecodeConfig) -> None:
         services.append(service)
         records.append(spill_record)
         loop = colocated.run
+    publish_events = attach_prefix_events(
+        redis, worker_id, colocated.prefill.prefix_cache if config.also_colocated else None, engine.shared_blocks)
     log.info("decode worker %s: blocks=%d model=%s%s", worker_id, engine.usage().num_blocks, path,
              " (also colocated)" if config.also_colocated else "")
     try:
         await serve_worker(f"{config.host}:{config.port}", services, registry, records, config.heartbeat_s,
-                           [loop, lambda: preconnect(registry, receiver, config.heartbeat_s)],
+                           [loop, lambda: preconnect(registry, receiver, config.heartbeat_s),
+                            *publish_events],
                            config.grace_s, config.drain_s, tls=config,
                            max_concurrent_streams=config.max_concurrent_streams)
     finally:

@@ -27,6 +27,7 @@ from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.worker_lifecycle import serve_worker
 from distserve.registry import WorkerRecord, WorkerRegistry
 from distserve.transfer import connector
+from distserve.prefix_events import attach_prefix_events
 from distserve.v1 import prefill_pb2_grpc
 from services.kvbroker.store import release_channel
 from distserve.engine.prefill_batcher import PrefillBatcher, saturation_tokens
@@ -118,11 +119,14 @@ async def serve(config: PrefillConfig) -> None:
         services.append(service)
         records.append(spill_record)
         loop = engine.run
+    publish_events = attach_prefix_events(redis, worker_id, batcher.prefix_cache,
+                                          engine.decode.shared_blocks if config.also_colocated else None)
     log.info("prefill worker %s: ucx=%s model=%s%s", worker_id, ucx_address, path,
              " (also colocated)" if config.also_colocated else "")
     try:
         await serve_worker(f"{config.host}:{config.port}", services, registry, records, config.heartbeat_s,
-                           [loop, held.run_expiry, lambda: follow_releases(redis, worker_id, held)],
+                           [loop, held.run_expiry, lambda: follow_releases(redis, worker_id, held),
+                            *publish_events],
                            config.grace_s, config.drain_s, tls=config,
                            max_concurrent_streams=config.max_concurrent_streams)
     finally:

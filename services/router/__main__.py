@@ -20,6 +20,7 @@ from distserve.metrics import RouterMetrics, serve_metrics
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.registry import WorkerRegistry
 from distserve.v1 import router_pb2_grpc
+from distserve.prefix_events import follow_prefix_events
 from services.router.config import RouterConfig
 from distserve.spill_policy import SpillPolicy
 from services.router.grammar_check import GrammarChecker
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 async def serve(config: RouterConfig) -> None:
     path = resolve_model_path(config.model)
     redis = redis_client.connect(config.redis_url)
+    events_redis = redis_client.connect(config.redis_url)
     picker = WorkerPicker(WorkerRegistry(redis, lease_s=0), config.suspect_s,
                           SpillPolicy(config.spill_prefill_tokens, config.spill_decode_running,
                                       config.spill_burst_tokens))
@@ -45,6 +47,8 @@ async def serve(config: RouterConfig) -> None:
 
     async def on_ready(port: int) -> None:
         tasks.append(asyncio.create_task(picker.run_refresh(config.registry_refresh_s)))
+        if config.prefix_events:  # its own connection: a blocking read holds the one it uses
+            tasks.append(asyncio.create_task(follow_prefix_events(events_redis, picker.apply_prefix_event)))
         log.info("router ready: grpc=%s model=%s", port, path)
 
     service = Service(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "distserve.v1.RouterService",
@@ -63,6 +67,7 @@ async def serve(config: RouterConfig) -> None:
         await channels.close()
         await grammars.close()
         await redis.aclose()
+        await events_redis.aclose()
         shutdown_tracing()
 
 

@@ -20,6 +20,11 @@ class RouterConfig(GrpcServerConfig, ApiKeyConfig):
     port: int = setting(50051, "gRPC port")
     model: str = setting("default", "HF model folder (tokenizer and limits)", env="DISTSERVE_MODEL")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "registry Redis", env="DISTSERVE_REDIS_URL")
+    prefix_seed: str = setting("", "seed of the prefix-cache keys, as the workers' (to read their cache events)",
+                               env="DISTSERVE_PREFIX_SEED", flag=False)
+    prefix_events: bool = setting(True, "follow the workers' published prefix-cache stores and evictions (the "
+                                        "cluster-wide prefix index); false: estimate from this router's own routing "
+                                        "only")
     broker_address: str = setting("127.0.0.1:50060", "kvbroker gRPC address; replicas comma-separated",
                                   env="DISTSERVE_BROKER_ADDRESS")
     request_timeout_s: float = setting(600.0, "deadline for one request's worker calls")

@@ -20,7 +20,8 @@ light load every request keeps to the pairs, whose decode steps no prompt length
 both halves of a pair prefill and decode, instead of one core decoding while the other idles.
 
 Prefix caches: a prompt costs a worker only its tokens that worker has not cached. The router keeps
-an estimate of each worker's cached blocks (distserve.prefix_index: the prompts it routed there), and
+an estimate of each worker's cached blocks (distserve.prefix_index: the prompts it routed there, and
+what the workers publish they stored and evicted: `apply_prefix_event`), and
 every choice above weighs a worker's queue plus this prompt's uncached tokens there; the in-flight
 count adds the uncached tokens too, as the worker reports its own queue.
 """
@@ -37,6 +38,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from distserve.prefix_events import EVICTED, PREFILL_CACHE, RESET, STORED, PrefixEvent
 from distserve.prefix_index import PrefixIndex, PromptBlocks
 from distserve.redis_client import raise_if_cancelled
 from distserve.registry import WorkerRecord, WorkerRegistry
@@ -66,6 +68,11 @@ KEPT_AFTER_DATA_LOSS_S = 10.0
 # too), 260 / 329; never limited, 286 / 287, but then 4 req/s TPOT p50 42-71 ms.
 
 
+def kv_dtype(w: WorkerRecord) -> str:
+    """The KV dtype a worker keys its cached blocks under: its kv_format's suffix, as its config names it."""
+    return w.kv_format.rpartition(":")[2]
+
+
 class WorkerPicker:
     def __init__(self, registry: WorkerRegistry, suspect_s: float, spill: SpillPolicy = SpillPolicy(),
                  prefix: PrefixIndex | None = None):
@@ -89,25 +96,24 @@ class WorkerPicker:
         self._kept_until = 0.0
 
     async def refresh(self) -> None:
-        await self._notice_data_loss()
-        lapsed: set[str] = set()
+        found = await self._registry.snapshot(tuple(self._workers))
+        self._notice_data_loss(found.epoch)
         keeping = time.monotonic() < self._kept_until
         for role in self._workers:
-            listed, lapsed_here = await self._registry.list_and_lapsed(role)
+            listed = found.workers[role]
             if keeping:
                 back = {w.worker_id for w in listed}
                 listed = listed + [w for w in self._kept.get(role, ()) if w.worker_id not in back]
             self._workers[role] = listed
-            lapsed |= lapsed_here
+        lapsed = found.lapsed
         registered = {w.worker_id for records in self._workers.values() for w in records}
         self.prefix.retain(registered)
         self.decode_blocks.retain(registered)
         for worker_id in lapsed & self._lapse_watchers.keys():
             self._lapse_watchers[worker_id].set()
 
-    async def _notice_data_loss(self) -> None:
+    def _notice_data_loss(self, epoch: str) -> None:
         """Keeps the workers listed so far for KEPT_AFTER_DATA_LOSS_S when Redis's data epoch changed."""
-        epoch = await self._registry.data_epoch()
         if self._epoch is not None and epoch != self._epoch:
             self._kept = {role: list(records) for role, records in self._workers.items()}
             self._kept_until = time.monotonic() + KEPT_AFTER_DATA_LOSS_S
@@ -115,6 +121,21 @@ class WorkerPicker:
                         "up to %.0f s while they register again", sum(map(len, self._kept.values())),
                         KEPT_AFTER_DATA_LOSS_S)
         self._epoch = epoch
+
+    def apply_prefix_event(self, event: PrefixEvent) -> None:
+        """Folds in what a worker published it stored, evicted or dropped (distserve.prefix_events)."""
+        if event.cache == PREFILL_CACHE:
+            index, capacity_field = self.prefix, "prefix_cache_blocks"
+        else:
+            index, capacity_field = self.decode_blocks, "total_blocks"
+        if event.op == RESET:
+            index.forget_worker(event.worker_id)
+        elif event.op == EVICTED:
+            index.forget(event.worker_id, event.keys)
+        elif event.op == STORED:
+            record = next((w for records in self._workers.values() for w in records
+                           if w.worker_id == event.worker_id and capacity_field in w.load), None)
+            index.record(event.worker_id, list(event.keys), int(record.load[capacity_field]) if record else 0)
 
     @contextlib.contextmanager
     def watch_lapse(self, worker: WorkerRecord):
@@ -152,13 +173,14 @@ class WorkerPicker:
         block_size = int(w.load.get("prefix_block_size", 0))
         if prompt is None or not block_size:
             return 0
-        return self.prefix.cached_blocks(w.worker_id, prompt.keys(block_size)) * block_size
+        return self.prefix.cached_blocks(w.worker_id, prompt.keys(block_size, kv_dtype(w))) * block_size
 
     def remember(self, w: WorkerRecord, prompt: PromptBlocks | None) -> None:
         """Records that the prompt was routed to w, whose prefix cache will hold its full blocks."""
         block_size = int(w.load.get("prefix_block_size", 0))
         if prompt is not None and block_size:
-            self.prefix.record(w.worker_id, prompt.keys(block_size), int(w.load.get("prefix_cache_blocks", 0)))
+            self.prefix.record(w.worker_id, prompt.keys(block_size, kv_dtype(w)),
+                               int(w.load.get("prefix_cache_blocks", 0)))
 
     def pick_prefill(self, num_tokens: int = 0, prompt: PromptBlocks | None = None) -> WorkerRecord | None:
         """The prefill worker that would reach a num_tokens prompt soonest: the fewest outstanding prompt
@@ -370,14 +392,15 @@ class WorkerPicker:
         block_size = int(w.load.get("block_size", 0))
         if tokens is None or not block_size or not w.load.get("prefix_caching"):
             return 0
-        return self.decode_blocks.cached_blocks(w.worker_id, tokens.keys(block_size)) * block_size
+        return self.decode_blocks.cached_blocks(w.worker_id, tokens.keys(block_size, kv_dtype(w))) * block_size
 
     def remember_decoded(self, w: WorkerRecord, tokens: PromptBlocks) -> None:
         """Records that the decode worker w holds (and keeps, once its sequence ends) the KV of these
         tokens' full blocks: a prompt routed there, or a finished stream's prompt and answer."""
         block_size = int(w.load.get("block_size", 0))
         if block_size and w.load.get("prefix_caching"):
-            self.decode_blocks.record(w.worker_id, tokens.keys(block_size), int(w.load.get("total_blocks", 0)))
+            self.decode_blocks.record(w.worker_id, tokens.keys(block_size, kv_dtype(w)),
+                                      int(w.load.get("total_blocks", 0)))
 
     def remember_conversation(self, colocated: WorkerRecord, tokens: PromptBlocks) -> None:
         """Records that a colocated worker, or the decode worker a spill-only record belongs to, keeps a

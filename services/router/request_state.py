@@ -53,13 +53,18 @@ class RequestState:
     expected_cached_tokens: int = 0  # of the current route's prompt, cached on its worker as routing expected
     _blocks: PromptBlocks | None = dataclasses.field(default=None, repr=False)
 
-    def prompt_blocks(self, model: str) -> PromptBlocks:
+    def prompt_blocks(self, model: str, deployment_seed: str) -> PromptBlocks:
         """The block keys of what a prefill would compute now: the prompt plus the completion so far
-        (a migrated request's), under the request's cache_salt."""
+        (a migrated request's), under the request's cache_salt (model, deployment_seed: PromptBlocks')."""
         tokens = self.prompt + self.outputs if self.outputs else self.prompt
         if self._blocks is None or len(self._blocks.token_ids) != len(tokens):
-            self._blocks = PromptBlocks(model, tokens, self.params.cache_salt)
+            self._blocks = PromptBlocks(model, tokens, self.params.cache_salt, deployment_seed)
         return self._blocks
+
+    def answered_blocks(self, model: str, deployment_seed: str) -> PromptBlocks:
+        """The block keys of the prompt and the answer (its last token's KV is never written): what a
+        worker keeps cached once the stream ends, a chat's next turn's prefix."""
+        return PromptBlocks(model, self.prompt + self.outputs[:-1], self.params.cache_salt, deployment_seed)
 
     def resume(self, token_ids: list[int]) -> None:
         """Continues a stream another router began: its tokens count as sent (their text too, so what

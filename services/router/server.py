@@ -19,7 +19,6 @@ from distserve.model_spec import ModelSpec
 from distserve.request_types import SamplingParams
 from distserve.grpc_server import ChannelPool
 from distserve.mux import MuxClient, MuxServer, MuxSessions
-from distserve.prefix_index import PromptBlocks
 from distserve.metrics import RouterMetrics
 from distserve.registry import WorkerRecord
 from distserve.v1 import colocated_pb2, colocated_pb2_grpc, common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
@@ -54,6 +53,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self._picker = picker
         self._channels = channels
         self._model_name = model_name
+        self._key_space = (config.model, config.prefix_seed)  # the workers' prefix keys (PromptBlocks)
         self._metrics = metrics
         self._broker = BrokerClient.over(channels, config.broker_address, config.rpc_timeout_s)
         self._grammars = grammars
@@ -142,7 +142,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 return None  # n > 1 shares one prompt's KV on a decode worker
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                "n: colocated workers serve one completion per request (n = 1, no best_of)")
-        num_tokens, blocks = self._kv_tokens(req), req.prompt_blocks(self._model_name)
+        num_tokens, blocks = self._kv_tokens(req), req.prompt_blocks(*self._key_space)
         follow_up = self._picker.pick_prefix_spill(len(req.prompt), num_tokens, blocks)
         if follow_up is not None:
             half, held = follow_up
@@ -191,8 +191,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             async for message in self._colocated_attempt(req, worker):
                 yield message
             if len(req.completions) == 1:  # its blocks stay cached there: the next turn's prefix
-                self._picker.remember_conversation(worker, PromptBlocks(
-                    self._model_name, req.prompt + req.outputs[:-1], req.params.cache_salt))
+                self._picker.remember_conversation(worker, req.answered_blocks(*self._key_space))
             return
         except StageFailed as failure:
             if not self._picker.workers("decode"):
@@ -253,10 +252,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         with tracing.span("route", req.request_id) as span:
             num_tokens = self._kv_tokens(req)
             prefill_worker = self._picker.pick_prefill(len(req.prompt) + len(req.outputs),
-                                                       req.prompt_blocks(self._model_name))
+                                                       req.prompt_blocks(*self._key_space))
             decode_worker = prefill_worker and self._picker.pick_decode(
                 num_tokens, prefill_worker.kv_format, req.failed_decode_workers,
-                req.prompt_blocks(self._model_name) if len(req.completions) == 1 else None)
+                req.prompt_blocks(*self._key_space) if len(req.completions) == 1 else None)
             for role in ("prefill", "decode"):
                 if not self._picker.workers(role):
                     await self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
@@ -269,8 +268,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                    f"{prefill_worker.kv_format or 'this'} KV has that much KV cache free or "
                                    "room to wait for it")
             req.expected_cached_tokens = self._expect_cached(req, prefill_worker)
-            decode_cached = self._picker.decode_cached_tokens(decode_worker, req.prompt_blocks(self._model_name))
-            self._picker.remember_decoded(decode_worker, req.prompt_blocks(self._model_name))
+            decode_cached = self._picker.decode_cached_tokens(decode_worker, req.prompt_blocks(*self._key_space))
+            self._picker.remember_decoded(decode_worker, req.prompt_blocks(*self._key_space))
             span.set_attributes({
                 "distserve.prefill.worker": prefill_worker.worker_id,
                 "distserve.prefill.reason": "least outstanding prompt tokens plus this prompt's uncached ones "
@@ -293,7 +292,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     def _expect_cached(self, req: RequestState, worker: WorkerRecord) -> int:
         """The prompt's tokens `worker` is expected to have cached; records that it will hold them all."""
-        blocks = req.prompt_blocks(self._model_name)
+        blocks = req.prompt_blocks(*self._key_space)
         cached = self._picker.cached_tokens(worker, blocks)
         self._picker.remember(worker, blocks)
         return cached
@@ -315,8 +314,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                             yield message
                     handed_off = True
                     if len(req.completions) == 1:  # its blocks stay cached there: the next turn's prefix
-                        self._picker.remember_decoded(decode_worker, PromptBlocks(
-                            self._model_name, req.prompt + req.outputs[:-1], req.params.cache_salt))
+                        self._picker.remember_decoded(decode_worker, req.answered_blocks(*self._key_space))
                     return
                 except StageFailed as failure:
                     self._broker.release_soon(handle_id, "retried", req.request_id)

@@ -9,14 +9,17 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from distserve.engine.model_loader import load_model
 from distserve.launcher import Cluster, ClusterSpec
+from distserve.prefix_events import PAGED_CACHE, PREFILL_CACHE, STORED, STREAM_KEY, parse_entry
 from tests.builders import compare_with_tolerance, generate, reference_generate, token_request
 from tests.integration.test_metrics import scrape
 from tests.integration.conftest import DECODE_TEST_ARGS, PREFILL_TEST_ARGS, assert_clean, wait_for_workers
@@ -28,7 +31,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def fleet(tiny_model_path, tmp_path_factory):
     free_ports = {f.name: 0 for f in dataclasses.fields(ClusterSpec) if f.name.endswith("_port")}
-    spec = ClusterSpec(model=tiny_model_path, num_prefill=1, num_decode=1, **free_ports,
+    spec = ClusterSpec(model=tiny_model_path, num_prefill=1, num_decode=1, num_routers=2, **free_ports,
                        log_dir=str(tmp_path_factory.mktemp("prefix-logs")),
                        prefill_args=PREFILL_TEST_ARGS, decode_args=DECODE_TEST_ARGS,
                        env={"DISTSERVE_DTYPE": "float32"})
@@ -48,10 +51,10 @@ def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def routed_expecting(fleet, request_id: str, field: str = "expected_cached") -> int:
+def routed_expecting(fleet, request_id: str, field: str = "expected_cached", router: str = "router") -> int:
     """The cached tokens the router expected on the prefill worker it routed request_id to (its route log
     line); field="decode_expected_cached": on the decode worker."""
-    for line in (Path(fleet.spec.log_dir) / "router.log").read_text().splitlines():
+    for line in (Path(fleet.spec.log_dir) / f"{router}.log").read_text().splitlines():
         if f"route request_id={request_id} " in line:
             return int(line.split(f" {field}=", 1)[1].split()[0])
     raise AssertionError(f"no route logged for {request_id}")
@@ -76,6 +79,42 @@ def test_a_shared_prefix_is_computed_once(fleet, reference_model):
         assert_exact(answer, prompt, reference_model)
         # the router's prefix index expected the hit it routed for (services.router.picker)
         assert routed_expecting(fleet, request.request_id) == 5 * BLOCK
+
+
+def test_a_router_expects_what_another_router_sent_from_the_workers_published_events(fleet, reference_model):
+    """The cluster-wide prefix index: the second router never routed this system prompt, but the prefill
+    and decode workers published that they hold its blocks (distserve.prefix_events), so it expects them."""
+    vocab = reference_model.config.vocab_size
+    system = random_tokens(4 * BLOCK + 5, seed=300, vocab=vocab)
+    first_router, second_router = fleet.router_addresses
+    generate(first_router, token_request(system + random_tokens(7, seed=301, vocab=vocab), max_tokens=4))
+    wait_for_published(fleet, {("prefill", PREFILL_CACHE), ("decode", PAGED_CACHE)})
+    prompt = system + random_tokens(9, seed=302, vocab=vocab)
+    request = token_request(prompt, max_tokens=MAX_TOKENS)
+    request.request_id = "prefix-from-events"
+    answer = generate(second_router, request)
+    assert answer.last.usage.cached_tokens == 4 * BLOCK
+    assert_exact(answer, prompt, reference_model)
+    assert routed_expecting(fleet, request.request_id, router="router-1") == 4 * BLOCK
+    assert routed_expecting(fleet, request.request_id, "decode_expected_cached", router="router-1") == 4 * BLOCK
+
+
+def wait_for_published(fleet, sources: set[tuple[str, str]], timeout_s: float = 15) -> None:
+    """Until a worker of each (role, cache) in `sources` has published stored blocks, and a moment more for the
+    routers, whose blocking read returns as soon as an event is added, to fold them in."""
+    client = redis.Redis.from_url(fleet.redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            events = [parse_entry(fields) for _, fields in client.xrange(STREAM_KEY)]
+            published = {(e.worker_id.split("-")[0], e.cache) for e in events if e is not None and e.op == STORED}
+            if sources <= published:
+                break
+            assert time.monotonic() < deadline, f"only {published} published"
+            time.sleep(0.05)
+    finally:
+        client.close()
+    time.sleep(0.5)
 
 
 def test_the_prefill_worker_counts_hits_and_queries(fleet, reference_model):
@@ -107,7 +146,6 @@ def test_a_decode_worker_holding_a_prefix_pulls_only_the_rest(fleet, reference_m
     shares those blocks on the decode worker and pulls only the KV from the last checksum chunk boundary
     (CHUNK_TOKENS) before their end; its output stays token-exact."""
     import concurrent.futures
-    import time
 
     from distserve.transfer.checksum import CHUNK_TOKENS
     from tests.cluster_helpers import worker_stats
@@ -138,7 +176,6 @@ def test_a_follow_up_turn_pulls_only_what_the_decode_worker_lacks(fleet, referen
     """The decode worker keeps a finished answer's full blocks cached: turn 2 (turn 1's prompt, its
     answer and a new message) shares them there and pulls only from the last checksum chunk boundary
     before their end; its output stays token-exact."""
-    import time
 
     from distserve.transfer.checksum import CHUNK_TOKENS
     from tests.cluster_helpers import worker_stats

@@ -94,13 +94,20 @@ def test_the_gateway_across_hosts_streams_with_its_key_and_refuses_without(fleet
         openai.OpenAI(base_url=fleet.gateway_url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_a_lost_decode_host_moves_its_streams_to_the_other_with_identical_output(fleet, reference_model):
-    requests = [token_request(p, max_tokens=LONG, ignore_eos=True) for p in prompts(4, reference_model.config.vocab_size, 5)]
+def decoding_streams(fleet, batch: list[list[int]]):
+    """Each prompt's greedy LONG-token answer from an undisturbed run, then the same prompts streaming
+    again, all of them past their first token, and the decode host the first of them is on."""
+    requests = [token_request(p, max_tokens=LONG, ignore_eos=True) for p in batch]
     unfailed = [s.result() for s in run(fleet, requests)]
     streams = run(fleet, requests)
     for stream in streams:
         assert stream.decoding.wait(60), "a stream never reached decode"
-    victim = next(h for h in (fleet.host("c"), fleet.host("d")) if h.address in streams[0].decode_workers[0])
+    host = next(h for h in (fleet.host("c"), fleet.host("d")) if h.address in streams[0].decode_workers[0])
+    return unfailed, streams, host
+
+
+def test_a_lost_decode_host_moves_its_streams_to_the_other_with_identical_output(fleet, reference_model):
+    unfailed, streams, victim = decoding_streams(fleet, prompts(4, reference_model.config.vocab_size, 5))
     fleet.testbed.cut(victim)  # no reset, no FIN: the router finds out from keepalive
     started = time.monotonic()
     try:
@@ -116,12 +123,7 @@ def test_a_lost_decode_host_moves_its_streams_to_the_other_with_identical_output
 def test_a_decode_host_drained_mid_stream_exits_0_and_its_streams_end_as_unfailed(fleet, reference_model):
     """A Drain call over mutual TLS (the operator's certificate) with a one-second grace: the streams on
     that host finish there or move to the other host, with identical output; the worker exits 0."""
-    requests = [token_request(p, max_tokens=LONG, ignore_eos=True) for p in prompts(4, reference_model.config.vocab_size, 7)]
-    unfailed = [s.result() for s in run(fleet, requests)]
-    streams = run(fleet, requests)
-    for stream in streams:
-        assert stream.decoding.wait(60), "a stream never reached decode"
-    host = next(h for h in (fleet.host("c"), fleet.host("d")) if h.address in streams[0].decode_workers[0])
+    unfailed, streams, host = decoding_streams(fleet, prompts(4, reference_model.config.vocab_size, 7))
     with blocking_channel(f"{host.address}:{PORTS['decode']}", fleet.tls) as channel:
         reply = lifecycle_pb2_grpc.LifecycleServiceStub(channel).Drain(
             lifecycle_pb2.DrainRequest(reason="multihost test", grace_s=1), timeout=10)

@@ -1,4 +1,4 @@
-"""Unit-test fixtures: a real throwaway redis-server and the tiny model's tokenizer."""
+"""Unit-test fixtures: a real throwaway redis-server, the tiny model's spec and its tokenizer."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import redis
 import redis.asyncio as aioredis
 
 from distserve.launcher import find_redis_server, free_port
+from distserve.model_spec import load_model_spec
 
 
 def _wait_for_ping(url: str, process: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -27,6 +28,12 @@ def _wait_for_ping(url: str, process: subprocess.Popen, timeout_s: float = 10.0)
         raise RuntimeError(f"redis-server at {url} did not answer PING within {timeout_s}s")
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def spec(tiny_model_path):
+    """The tiny model's ModelSpec."""
+    return load_model_spec(tiny_model_path)
 
 
 @pytest.fixture(scope="session")

@@ -5,18 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from distserve.engine.colocated_engine import ColocatedEngine
-from distserve.engine.decode_engine import DecodeEngine
-from distserve.engine.decode_scheduler import DecodeScheduler
-from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_loader import load_engine_model
 from distserve.engine.model_runner import ModelRunner
-from distserve.model_spec import load_model_spec
-from distserve.engine.prefill_batcher import PrefillBatcher
-from distserve.request_types import SamplingParams
-from distserve.engine.sequence import Sequence, stream_outputs
+from tests.builders import colocated_engine, serve_colocated
 
 BLOCK_SIZE = 16
 BUDGET = 32  # small, so a long prompt is chunked beside the decoding sequences
@@ -35,36 +28,13 @@ class CountingRunner(ModelRunner):
 
 
 @pytest.fixture(scope="module")
-def spec(tiny_model_path):
-    return load_model_spec(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
 def model(tiny_model_path):
     return load_engine_model(tiny_model_path, "float32", "cpu")
 
 
 def build(model, spec) -> tuple[ColocatedEngine, CountingRunner]:
     runner = CountingRunner(model)
-    cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, 64, BLOCK_SIZE, torch.float32, "cpu")
-    wakeup = asyncio.Event()
-    prefill = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, BUDGET, wakeup)
-    scheduler = DecodeScheduler(cache.allocator, BLOCK_SIZE, 8, spec.max_context)
-    decode = DecodeEngine(runner, cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup)
-    return ColocatedEngine(prefill, decode, wakeup), runner
-
-
-async def serve_one(engine: ColocatedEngine, prompt: list[int], max_tokens: int) -> list[int]:
-    """What the colocated servicer does for one request, minus gRPC."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    blocks = await engine.decode.reserve(engine.decode.scheduler.blocks_for(len(prompt), max_tokens))
-    result = await engine.prefill.submit(prompt, params)
-    seq = Sequence("r", prompt + [result.first_token], len(prompt), params, blocks, asyncio.Queue())
-    engine.hand_off(result, seq)
-    tokens = [result.first_token]
-    async for token_ids, _, _ in stream_outputs(seq):
-        tokens += token_ids
-    return tokens
+    return colocated_engine(runner, spec, block_size=BLOCK_SIZE, token_budget=BUDGET), runner
 
 
 async def run_concurrently(engine: ColocatedEngine, requests: list[tuple[list[int], int, float]]):
@@ -72,7 +42,7 @@ async def run_concurrently(engine: ColocatedEngine, requests: list[tuple[list[in
 
     async def delayed(prompt, max_tokens, delay_s):
         await asyncio.sleep(delay_s)
-        return await serve_one(engine, prompt, max_tokens)
+        return (await serve_colocated(engine, prompt, max_tokens))[0]
 
     try:
         return await asyncio.gather(*(delayed(*r) for r in requests))

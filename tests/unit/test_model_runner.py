@@ -9,7 +9,6 @@ from distserve.engine.kv_cache import PagedKvCache, blocks_needed
 from distserve.engine.model import PrefillChunk, last_layer_rows
 from distserve.engine.model_loader import load_engine_model, load_model
 from distserve.engine.model_runner import DecodeWork, ModelRunner, PrefillWork
-from distserve.model_spec import load_model_spec
 from tests.builders import compare_with_tolerance, reference_generate
 
 BLOCK_SIZE = 4
@@ -19,11 +18,6 @@ NUM_NEW = 8
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
     return load_model(tiny_model_path, "float32", "cpu")
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_model_path):
-    return load_model_spec(tiny_model_path)
 
 
 @pytest.fixture(scope="module")

@@ -6,28 +6,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from distserve.engine.colocated_engine import ColocatedEngine
-from distserve.engine.decode_engine import DecodeEngine
-from distserve.engine.decode_scheduler import DecodeScheduler
-from distserve.engine.kv_cache import PagedKvCache
 from distserve.engine.model_loader import load_engine_model
 from distserve.engine.model_runner import ModelRunner
 from distserve.engine.paged_prefix import PagedPrefix
-from distserve.engine.prefill_batcher import PrefillBatcher
-from distserve.engine.sequence import Sequence, stream_outputs
-from distserve.model_spec import load_model_spec
 from distserve.prefix_hash import PrefixNamespace
-from distserve.request_types import SamplingParams
+from tests.builders import colocated_engine, serve_colocated
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_model_path):
-    return load_model_spec(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -36,36 +24,16 @@ def model(tiny_model_path):
 
 
 def build(model, spec, shared: bool) -> ColocatedEngine:
-    runner = ModelRunner(model)
-    cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, NUM_BLOCKS, BLOCK_SIZE, torch.float32,
-                         "cpu")
-    wakeup = asyncio.Event()
-    prefill = PrefillBatcher(runner, spec.eos_token_ids, spec.max_context, 256, wakeup)
-    scheduler = DecodeScheduler(cache.allocator, BLOCK_SIZE, 8, spec.max_context)
     namespace = PrefixNamespace("tiny", "float32", BLOCK_SIZE) if shared else None
-    decode = DecodeEngine(runner, cache, scheduler, spec.eos_token_ids, spec.max_context, wakeup, prefix=namespace)
-    return ColocatedEngine(prefill, decode, wakeup)
-
-
-async def serve(engine: ColocatedEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
-    """One request as the colocated servicer serves it, minus gRPC: its tokens and its cached prompt tokens."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    blocks = await engine.decode.reserve(engine.decode.scheduler.blocks_for(len(prompt), max_tokens))
-    result = await engine.prefill.submit(prompt, params)
-    seq = Sequence("r", prompt + [result.first_token], len(prompt), params, blocks, asyncio.Queue())
-    engine.hand_off(result, seq)
-    tokens = [result.first_token]
-    async for token_ids, _, _ in stream_outputs(seq):
-        tokens += token_ids
-    return tokens, result.num_cached_tokens
+    return colocated_engine(ModelRunner(model), spec, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, prefix=namespace)
 
 
 async def chat(engine: ColocatedEngine, first: list[int], reply: list[int]) -> tuple[list[int], int]:
     """Two turns: `first`, then first + its answer + `reply`; the second turn's tokens and cached tokens."""
     loop = asyncio.create_task(engine.run())
     try:
-        answer, _ = await serve(engine, first, 40)
-        return await serve(engine, first + answer + reply, 24)
+        answer, _ = await serve_colocated(engine, first, 40)
+        return await serve_colocated(engine, first + answer + reply, 24)
     finally:
         loop.cancel()
 

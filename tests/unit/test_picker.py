@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from distserve.prefix_index import PromptBlocks
-from distserve.registry import WorkerRecord
+from distserve.registry import RegistrySnapshot, WorkerRecord
 from distserve.spill_policy import SpillPolicy
 from services.router.picker import WorkerPicker
 
@@ -340,11 +340,8 @@ async def test_a_watched_worker_whose_lease_lapses_is_signalled_and_a_draining_o
     class Registry:
         lapsed: set[str] = set()
 
-        async def data_epoch(self):
-            return "e1"
-
-        async def list_and_lapsed(self, role):
-            return [], (self.lapsed if role == "prefill" else set())
+        async def snapshot(self, roles):
+            return RegistrySnapshot("e1", {role: [] for role in roles}, set(self.lapsed))
 
     registry = Registry()
     picker = WorkerPicker(registry=registry, suspect_s=5.0)
@@ -365,11 +362,8 @@ class EpochRegistry:
     def __init__(self):
         self.epoch, self.listed = "e1", {"prefill": [], "decode": [], "colocated": []}
 
-    async def data_epoch(self):
-        return self.epoch
-
-    async def list_and_lapsed(self, role):
-        return list(self.listed[role]), set()
+    async def snapshot(self, roles):
+        return RegistrySnapshot(self.epoch, {role: list(self.listed[role]) for role in roles}, set())
 
 
 async def test_workers_are_kept_while_they_register_again_after_redis_lost_its_data(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distserve.prefix_hash import PrefixNamespace, block_keys
+from distserve.prefix_hash import PrefixNamespace, block_keys, reusable_keys
 
 NAMESPACE = PrefixNamespace("default:tiny", "float32", 4)
 SEED = NAMESPACE.seed()
@@ -57,3 +57,10 @@ def test_keys_are_stable_across_processes():
 PINNED_KEY_PREFIX = __import__("hashlib").sha256(
     __import__("hashlib").sha256("\x00".join(["distserve-prefix-v1", "default:tiny", "float32", "4", "", ""]).encode())
     .digest() + bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0])).hexdigest()[:16]
+
+
+def test_a_prompt_may_reuse_its_full_blocks_short_of_its_last_token():
+    keys = [b"a", b"b", b"c"]
+    assert reusable_keys(keys, num_prompt_tokens=12, block_size=4) == [b"a", b"b"]  # 12 is full: last computed
+    assert reusable_keys(keys, num_prompt_tokens=13, block_size=4) == keys
+    assert reusable_keys(keys, num_prompt_tokens=1, block_size=4) == []

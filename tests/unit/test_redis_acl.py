@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from distserve import redis_acl
+from distserve import prefix_events, redis_acl
 from distserve.launcher import _redis_pongs, find_redis_server, free_port
 from distserve.record_signing import RecordSigner
 from distserve.registry import SPILLING_KEY, WorkerRecord, WorkerRegistry, lists_now, worker_key
@@ -217,3 +217,15 @@ def test_the_launchers_control_placement_reads_the_registry(acl_redis):
         assert client.exists(SPILLING_KEY) == 0
     finally:
         client.close()
+
+
+async def test_workers_append_prefix_events_and_only_routers_read_them(clients):
+    for role in redis_acl.WORKER_ROLES:
+        await clients[role].xadd(prefix_events.STREAM_KEY, {"w": role, "c": "prefill", "op": "0", "k": b""})
+    replies = await clients["router"].xread({prefix_events.STREAM_KEY: "0-0"})
+    assert [fields[b"w"] for _, entries in replies for _, fields in entries] == [b"prefill", b"decode", b"colocated"]
+    for role in ("gateway", "kvbroker"):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await clients[role].xread({prefix_events.STREAM_KEY: "0-0"})
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        await clients["router"].xadd(prefix_events.STREAM_KEY, {"w": "forged"})

@@ -252,3 +252,17 @@ async def test_the_data_epoch_stays_until_redis_loses_its_keys(redis_client):
     assert await registry.data_epoch() == first
     await redis_client.flushdb()  # what a restart without persistence leaves
     assert await registry.data_epoch() != first
+
+
+async def test_a_snapshot_reads_every_role_and_the_epoch_at_once(redis_client):
+    registry = WorkerRegistry(redis_client, lease_s=30)
+    for r in [record("p0"), record("d0", role="decode"), record("d1", role="decode")]:
+        await registry.publish(r)
+    await redis_client.zadd(index_key("decode"), {"d1": 0})  # d1's lease long gone: pruned, not lapsed
+    await redis_client.zadd(index_key("prefill"), {"p1": (await redis_client.time())[0] - 1})  # lapsed just now
+    found = await registry.snapshot(("prefill", "decode", "colocated"))
+    assert found.epoch == await registry.data_epoch()
+    assert {role: [w.worker_id for w in workers] for role, workers in found.workers.items()} == {
+        "prefill": ["p0"], "decode": ["d0"], "colocated": []}
+    assert found.lapsed == {"p1"}
+    assert await redis_client.zscore(index_key("decode"), "d1") is None

@@ -13,7 +13,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from distserve.engine.model_loader import load_tokenizer
-from distserve.model_spec import load_model_spec
 from distserve.launcher import free_port
 from distserve.v1 import router_pb2_grpc
 from services.router.gateway.app import create_app
@@ -42,11 +41,6 @@ class TokenizerRouter(router_pb2_grpc.RouterServiceServicer):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path):
     return load_tokenizer(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_model_path):
-    return load_model_spec(tiny_model_path)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from distserve.engine.model_loader import load_tokenizer
-from distserve.model_spec import load_model_spec
 from distserve.v1 import router_pb2
 from services.router.tokenizer_service import detokenize, detokenize_async, tokenize, tokenize_async
 from services.router.validation import MAX_CHARS_PER_TOKEN, THREAD_TOKENIZE_CHARS, InvalidRequest
@@ -16,11 +15,6 @@ TEXT = "def héllo():\n    return 1 ✓"
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path):
     return load_tokenizer(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_model_path):
-    return load_model_spec(tiny_model_path)
 
 
 def test_tokenize_is_the_tokenizer_with_token_strings_when_asked(tokenizer, spec):
