@@ -34,6 +34,12 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="auto: bfloat16 on CUDA or on CPUs with bf16 instructions, else float32")
     parser.add_argument("--device", default="cpu", help="torch device of the workers, e.g. cpu or cuda")
+    parser.add_argument("--gpus", default="", help="GPUs to deal the workers over, one each in start order, e.g. 0,1 "
+                                                   "(each sees only its own, as cuda; workers sharing one split its "
+                                                   "memory): implies --device cuda")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                        help="with --gpus: the fraction of each GPU's memory its workers may use, weights, "
+                             "activations and KV cache together (the KV cache gets what is left)")
     parser.add_argument("--cpus", default="", help="cores to split among the workers, one share each, e.g. 0-3 "
                                                    "(default: all cores this process may use)")
     parser.add_argument("--share-cores", action="store_true", help="do not split: every worker may use all cores")
@@ -128,9 +134,9 @@ def _spec(args) -> ClusterSpec:
                        gateway_port=None if args.gateway_port < 0 else args.gateway_port, gateway_args=gateway_args,
                        cpus=args.cpus, share_cores=args.share_cores, take_turns=args.take_turns,
                        lend_cores=args.lend_cores, spill=args.spill,
-                       control_cpus=args.control_cpus,
+                       control_cpus=args.control_cpus, gpus=args.gpus, gpu_memory_fraction=args.gpu_memory_fraction,
                        tls=make_dev_certs(args.tls_dir) if args.tls_dir else PLAINTEXT,
-                       env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": args.device,
+                       env={"DISTSERVE_DTYPE": args.dtype, "DISTSERVE_DEVICE": "cuda" if args.gpus else args.device,
                             # the gateway and the router both take the key (the router from the gateway)
                             **({"DISTSERVE_API_KEY_FILE": os.path.abspath(args.api_key_file)}
                                if args.api_key_file else {}),

@@ -59,6 +59,7 @@ from distserve.control_placement import ControlPlacement
 from distserve.record_signing import KEY_ENV, KEY_FILE_ENV, RecordSigner, load_key, write_key_file
 from distserve import redis_acl
 from distserve.cpus import format_cpu_list, lower_priority, parse_cpu_list, split_cores
+from distserve.gpu_placement import GpuShare, parse_gpu_list, plan_gpus
 from distserve.dev_certs import role_tls
 from distserve.engine import cpu_kernels
 from distserve.spill_policy import SpillPolicy
@@ -161,6 +162,8 @@ class ClusterSpec:
     # workers': plan_control_cpus; `distserve up`'s default) or ""/"any" (not pinned: they run wherever the
     # OS puts them, prefill cores included). See docs/engine.md "Cores" for the measured trade.
     control_cpus: str = ""
+    gpus: str = ""  # GPUs dealt to the workers in start order, e.g. "0,1" (distserve.gpu_placement); "": none
+    gpu_memory_fraction: float = 0.9  # with gpus: of each GPU's memory, split among the workers dealt to it
     tls: TlsConfig = PLAINTEXT  # mutual TLS for every gRPC service, and for the launcher's health checks
     supervise: bool = False  # True: restart any child that dies (see distserve.supervisor)
     restart_policy: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
@@ -199,6 +202,19 @@ def _auto_control_cpus(workers: dict[str, list[int]]) -> list[int] | None:
     return decode or None
 
 
+def worker_names(spec: ClusterSpec) -> list[str]:
+    """The workers a spec starts, in start order."""
+    return ([f"prefill-{i}" for i in range(spec.num_prefill)] + [f"decode-{i}" for i in range(spec.num_decode)]
+            + [f"colocated-{i}" for i in range(spec.num_colocated)])
+
+
+def plan_worker_gpus(spec: ClusterSpec) -> dict[str, GpuShare]:
+    """Each worker's GPU and memory share with spec.gpus (distserve.gpu_placement); empty without."""
+    if not spec.gpus:
+        return {}
+    return plan_gpus(worker_names(spec), parse_gpu_list(spec.gpus), spec.gpu_memory_fraction)
+
+
 def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
     """Cores of each worker, by process name (prefill-0.., decode-0.., colocated-0..); see split_cores."""
     allowed = os.sched_getaffinity(0)
@@ -206,8 +222,7 @@ def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:
     if not set(available) <= allowed:
         raise ConfigError(f"cpus: cores {sorted(set(available) - allowed)} are not available "
                           f"(this process may use {sorted(allowed)})")
-    names = ([f"prefill-{i}" for i in range(spec.num_prefill)] + [f"decode-{i}" for i in range(spec.num_decode)]
-             + [f"colocated-{i}" for i in range(spec.num_colocated)])
+    names = worker_names(spec)
     if spec.share_cores:
         return {name: available for name in names}
     split = dict(zip(names, split_cores(available, spec.num_prefill, spec.num_decode, spec.num_colocated)))
@@ -323,6 +338,7 @@ class Cluster:
         self.gateway_url = ""
         self.worker_cpus = plan_worker_cpus(spec)  # worker name -> its cores
         self.control_cpus = plan_control_cpus(spec, self.worker_cpus)  # the other children's cores, or None
+        self.worker_gpus = plan_worker_gpus(spec)  # worker name -> its GPU and memory share (--gpus)
         self.supervisor: Supervisor | None = None
         self.control_placement: ControlPlacement | None = None
         self.metrics = LauncherMetrics(lambda: list(self.processes.values()))
@@ -525,6 +541,8 @@ class Cluster:
             env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's OpenMP pool is sized at import
         if module in ("services.prefill", "services.decode", "services.colocated"):
             env.update(_unless_set(WORKER_MALLOC_ENV))
+        if name in self.worker_gpus:
+            env.update(self.worker_gpus[name].env())
         if self.spec.spill and module in ("services.prefill", "services.decode"):
             argv += ["--also-colocated", "true"]
         if self.spec.take_turns and module in ("services.prefill", "services.decode"):

@@ -29,6 +29,9 @@ class WorkerConfig(PrefixCacheConfig, GrpcServerConfig):
     dtype: str = setting("auto", "model dtype; auto: bfloat16 on CUDA or on CPUs with bf16 instructions, "
                          "else float32", env="DISTSERVE_DTYPE")
     device: str = setting("cpu", "torch device", env="DISTSERVE_DEVICE")
+    gpu_memory_fraction: float = setting(0.0, "on CUDA: the fraction of the GPU's memory this worker may use; its "
+                                              "paged KV cache gets what the weights and one step's activations "
+                                              "leave (0: kv_cache_mb)", env="DISTSERVE_GPU_MEMORY_FRACTION")
     cpus: str = setting("", "cores to pin this worker to, e.g. 0 or 2-3 (empty: all cores the process may use)")
     serving_cpus: str = setting("", "cores for the serving threads (event loop, gRPC, KV transfers), e.g. 0-1; "
                                     "forwards stay on cpus (empty: the same cores as cpus)")
@@ -50,6 +53,8 @@ class WorkerConfig(PrefixCacheConfig, GrpcServerConfig):
         if self.serving_cpus:
             parse_cpu_list(self.serving_cpus, "serving_cpus")
         require(self.max_batch_tokens >= 0, "max_batch_tokens", "must be >= 0 (0: auto)")
+        require(0 <= self.gpu_memory_fraction <= 1, "gpu_memory_fraction",
+                f"must be in [0, 1] (0: kv_cache_mb), got {self.gpu_memory_fraction}")
         require(0 < self.heartbeat_s < self.lease_s, "heartbeat_s", "must be > 0 and below lease_s")
 
     @property

@@ -36,7 +36,7 @@ GRAFANA_ADMIN_PASSWORD=config-check DISTSERVE_REDIS_PASSWORD=config-check docker
 
 echo "== tests"
 set +e
-python -m pytest tests -q -p no:cacheprovider "$@"
+python -m pytest tests --ignore=tests/gpu -q -p no:cacheprovider "$@"  # tests/gpu: scripts/gpu_check.sh, on a GPU
 status=$?
 set -e
 if [ "$status" = 5 ]; then

@@ -41,7 +41,9 @@ def build_decode_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelS
     return build_decode_engine(runner, spec, config.dtype, config.device, block_size=config.block_size,
                                kv_cache_mb=config.kv_cache_mb, max_running=config.max_running, wakeup=wakeup,
                                grammars=grammars,
-                               prefix=shared_prefix(config, config.model, config.dtype, config.block_size))
+                               prefix=shared_prefix(config, config.model, config.dtype, config.block_size),
+                               gpu_memory_fraction=config.gpu_memory_fraction,
+                               max_step_tokens=config.max_batch_tokens or saturation_tokens(config.device))
 
 
 def colocated_load(engine: ColocatedEngine, block_size: int) -> dict[str, float]:

@@ -49,7 +49,8 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGra
         runner, spec, config.dtype, config.device, block_size=config.block_size, kv_cache_mb=config.kv_cache_mb,
         max_running=config.max_running, reserve_ahead_tokens=config.reserve_ahead_tokens, wakeup=wakeup,
         grammars=grammars, turns=core_turns(config.core_turns),
-        prefix=shared_prefix(config, config.model, config.dtype, config.block_size))
+        prefix=shared_prefix(config, config.model, config.dtype, config.block_size),
+        gpu_memory_fraction=config.gpu_memory_fraction, max_step_tokens=config.max_batch_tokens)
 
 
 async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:
