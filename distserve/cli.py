@@ -352,15 +352,18 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_tool_commands(commands) -> dict:
-    """bench, profile, plan and explain: each module owns its flags (add_arguments) and its run(args)."""
-    from distserve import explain
+    """bench, profile, plan, explain and compose-secrets: each module owns its flags (add_arguments) and its
+    run(args)."""
+    from distserve import compose_secrets, explain
     from distserve.bench import cli as bench
     from distserve.planner import plan_cli, profile_cli
 
     tools = {"bench": (bench, "drive an OpenAI endpoint with Poisson arrivals: TTFT, TPOT, SLO attainment, goodput"),
              "profile": (profile_cli, "measure this machine's step and KV-transfer latency models for the planner"),
              "plan": (plan_cli, "search worker counts, cores and batch budget for the best goodput, by simulation"),
-             "explain": (explain, "say where a request's time went and which stage broke which SLO, from its trace")}
+             "explain": (explain, "say where a request's time went and which stage broke which SLO, from its trace"),
+             "compose-secrets": (compose_secrets, "write a Redis user per role for deploy/compose: .env with their "
+                                                  "passwords, redis.acl with their grants")}
     for name, (module, summary) in tools.items():
         module.add_arguments(commands.add_parser(name, help=summary, description=summary))
     return {name: module.run for name, (module, _) in tools.items()}

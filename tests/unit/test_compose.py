@@ -16,7 +16,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
-REDIS_PASSWORD = "compose-test-redis"
+ROLES = ("router", "gateway", "kvbroker", "prefill", "decode", "colocated", "launcher")
+REDIS_PASSWORDS = {f"DISTSERVE_REDIS_PASSWORD_{role.upper()}": f"pw-{role}" for role in ROLES}
 PUBLISHED = {"gateway": {8000}, "jaeger": {16686}, "grafana": {3000}}
 # The module each service runs -> (its config class, the config field holding its metrics port).
 METRICS_PORT = {"services.router": ("services.router.config:RouterConfig", "metrics_port"),
@@ -44,14 +45,14 @@ def services() -> dict:
     reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "--profile", "colocated", "config"],
                            capture_output=True, text=True, timeout=120,
                            env={**_without_publish_settings(), "GRAFANA_ADMIN_PASSWORD": "compose-test",
-                                "DISTSERVE_REDIS_PASSWORD": REDIS_PASSWORD})
+                                **REDIS_PASSWORDS})
     assert reply.returncode == 0, reply.stderr
     return yaml.safe_load(reply.stdout)["services"]
 
 
 def _without_publish_settings() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
-            if k not in ("DISTSERVE_PUBLISH_ADDR", "GRAFANA_ADMIN_PASSWORD", "DISTSERVE_REDIS_PASSWORD")}
+            if k not in ("DISTSERVE_PUBLISH_ADDR", "GRAFANA_ADMIN_PASSWORD") and not k.startswith("DISTSERVE_REDIS_PASSWORD")}
 
 
 def test_published_ports_bind_the_hosts_loopback_unless_told(services):
@@ -63,26 +64,34 @@ def test_published_ports_bind_the_hosts_loopback_unless_told(services):
 
 def test_grafana_has_no_default_password():
     reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
-                           timeout=120, env={**_without_publish_settings(), "DISTSERVE_REDIS_PASSWORD": REDIS_PASSWORD})
+                           timeout=120, env={**_without_publish_settings(), **REDIS_PASSWORDS})
     assert reply.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in reply.stderr
 
 
-def test_redis_has_no_default_password():
-    reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
-                           timeout=120, env={**_without_publish_settings(), "GRAFANA_ADMIN_PASSWORD": "compose-test"})
-    assert reply.returncode != 0 and "DISTSERVE_REDIS_PASSWORD" in reply.stderr
+def test_compose_refuses_to_start_without_the_redis_users():
+    for missing in ("DISTSERVE_REDIS_PASSWORD_ROUTER", "DISTSERVE_REDIS_PASSWORD_LAUNCHER"):
+        env = {**_without_publish_settings(), "GRAFANA_ADMIN_PASSWORD": "compose-test", **REDIS_PASSWORDS}
+        del env[missing]
+        reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True,
+                               text=True, timeout=120, env=env)
+        assert reply.returncode != 0 and missing in reply.stderr and "compose-secrets" in reply.stderr
 
 
-def test_redis_requires_the_password_and_every_service_presents_it(services):
+def test_redis_loads_a_user_per_role_and_every_service_presents_its_own(services):
     redis_service = services["redis"]
-    assert redis_service["environment"]["DISTSERVE_REDIS_PASSWORD"] == REDIS_PASSWORD
-    # given on redis-server's stdin, never its command line (`ps`); the healthcheck authenticates
-    assert "requirepass $$DISTSERVE_REDIS_PASSWORD" in redis_service["command"][-1]
-    assert REDIS_PASSWORD not in " ".join(redis_service["command"])
-    assert "REDISCLI_AUTH" in " ".join(redis_service["healthcheck"]["test"])
+    # the users come from the ACL file compose-secrets wrote (hashes only); no password on any command line
+    assert redis_service["command"][:3] == ["redis-server", "--aclfile", "/etc/redis/users.acl"]
+    assert any(str(v).endswith(":/etc/redis/users.acl:ro") or (isinstance(v, dict) and v.get("target") ==
+               "/etc/redis/users.acl") for v in redis_service["volumes"])
+    assert not any(password in " ".join(redis_service["command"]) for password in REDIS_PASSWORDS.values())
+    assert redis_service["environment"] == {"DISTSERVE_REDIS_PASSWORD_LAUNCHER": "pw-launcher"}
+    assert "--user launcher" in " ".join(redis_service["healthcheck"]["test"])
+    roles = {"kvbroker": "kvbroker", "kvbroker-2": "kvbroker", "prefill": "prefill", "decode": "decode",
+             "colocated": "colocated", "router": "router", "router-2": "router", "gateway": "gateway"}
     for name, service in services.items():
         if str(service.get("image", "")).startswith("distserve"):
-            assert service["environment"]["DISTSERVE_REDIS_URL"] == f"redis://:{REDIS_PASSWORD}@redis:6379/0", name
+            role = roles[name]
+            assert service["environment"]["DISTSERVE_REDIS_URL"] == f"redis://{role}:pw-{role}@redis:6379/0", name
 
 
 def _published_ports(service: dict) -> set[int]:
