@@ -212,7 +212,8 @@ def plan_worker_gpus(spec: ClusterSpec) -> dict[str, GpuShare]:
     """Each worker's GPU and memory share with spec.gpus (distserve.gpu_placement); empty without."""
     if not spec.gpus:
         return {}
-    return plan_gpus(worker_names(spec), parse_gpu_list(spec.gpus), spec.gpu_memory_fraction)
+    return plan_gpus(worker_names(spec), parse_gpu_list(spec.gpus), spec.gpu_memory_fraction,
+                     os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def plan_worker_cpus(spec: ClusterSpec) -> dict[str, list[int]]:

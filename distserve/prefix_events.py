@@ -86,10 +86,11 @@ class PrefixEventLog:
 
 async def publish_prefix_events(redis: aioredis.Redis, worker_id: str, events: PrefixEventLog,
                                 caches: tuple[str, ...], interval_s: float = PUBLISH_INTERVAL_S) -> None:
-    """Publishes `events` until cancelled, after a RESET of each of `caches`; survives Redis blips (the
-    events of a failed round are dropped: the estimate is stale either way, and the next RESET is at
-    the worker's next start)."""
-    batch = [(cache, RESET, ()) for cache in caches]
+    """Publishes `events` until cancelled, after a RESET of each of `caches`; survives Redis blips: the
+    events of a failed round are lost, so the next round starts with a RESET again (routers forget what
+    they knew of this worker rather than keep keys it may have evicted meanwhile)."""
+    resets = [(cache, RESET, ()) for cache in caches]
+    batch = list(resets)
     while True:
         batch += events.drain()
         if batch:
@@ -100,10 +101,11 @@ async def publish_prefix_events(redis: aioredis.Redis, worker_id: str, events: P
                                   maxlen=MAX_ENTRIES, approximate=True)
                     await pipe.execute()
                 redis_client.raise_if_cancelled()
+                batch = []
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("publishing %d prefix events failed: %s", len(batch), exc)
                 redis_client.raise_if_cancelled()
-            batch = []
+                batch = list(resets)
         await asyncio.sleep(interval_s)
 
 
@@ -140,7 +142,10 @@ async def follow_prefix_events(redis: aioredis.Redis, apply: Callable[[PrefixEve
                 if event is None:
                     log.warning("skipping a malformed prefix event %s", entry_id)
                     continue
-                apply(event)
+                try:
+                    apply(event)
+                except Exception:  # one bad event must not end the router's view of every later one
+                    log.exception("applying prefix event %s failed", entry_id)
 
 
 def attach_prefix_events(redis: aioredis.Redis, worker_id: str, prefill_cache=None,

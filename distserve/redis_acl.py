@@ -94,17 +94,17 @@ def acl_text(passwords: dict[str, str], spill: bool = False, read_only_keys: boo
     if missing:
         raise ValueError(f"passwords: no password for {sorted(missing)}")
     lines = ["user default off resetpass resetkeys resetchannels -@all",
-             f"user {ADMIN} on {_hash(passwords[ADMIN])} ~* &* +@all"]
+             f"user {ADMIN} on {password_rule(passwords[ADMIN])} ~* &* +@all"]
     for role, access in role_access(spill).items():
         keys = [f"~{p}" for p in access.read_write_keys]
         keys += [f"%R~{p}" if read_only_keys else f"~{p}" for p in access.read_keys]
-        rules = ["on", _hash(passwords[role]), "resetkeys", *keys, "resetchannels",
+        rules = ["on", password_rule(passwords[role]), "resetkeys", *keys, "resetchannels",
                  *(f"&{c}" for c in access.channels), "-@all", *(f"+{c}" for c in access.commands)]
         lines.append(f"user {role} {' '.join(rules)}")
     return "\n".join(lines) + "\n"
 
 
-def _hash(password: str) -> str:
+def password_rule(password: str) -> str:
     """The ACL rule that sets a password by its SHA-256 (the file never holds the password)."""
     return "#" + hashlib.sha256(password.encode()).hexdigest()
 

@@ -120,7 +120,7 @@ class WorkerRegistry:
         return await self._read(roles, with_epoch=True)
 
     async def _read(self, roles: tuple[str, ...], with_epoch: bool) -> RegistrySnapshot:
-        now = await server_time(self._redis)
+        now = await server_time(self._redis) if roles else 0.0
         async with self._redis.pipeline(transaction=False) as pipe:
             if with_epoch:
                 pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)

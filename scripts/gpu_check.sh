@@ -24,18 +24,18 @@ fi
   $PYTHON -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$OUT_DIR/machine.txt"
 
 # 1. the venv: the machine's torch stays; ours come from the carried wheels
-$PYTHON -m venv --system-site-packages .gpu-venv
+$PYTHON -m venv --system-site-packages .gpu-venv || { echo "error: $PYTHON cannot make a venv" >&2; exit 1; }
 VPY=.gpu-venv/bin/python
-$VPY - <<'PY' > .gpu-venv/wanted.txt
+# packaging compares versions; the machine may not have it, so it is read from its carried wheel (a zip)
+PACKAGING_WHEEL=$(ls .gpu-wheels/packaging-*.whl)
+PYTHONPATH=$PACKAGING_WHEEL $VPY - <<'PY' > .gpu-venv/wanted.txt || { echo "error: listing the wheels to install failed" >&2; exit 1; }
 import importlib.metadata as md, pathlib, re
-from packaging.version import Version  # the machine's pip vendors packaging; so does the venv
+from packaging.version import Version
 for wheel in sorted(pathlib.Path(".gpu-wheels").glob("*.whl")):
     name, version = wheel.name.split("-")[:2]
     try:
         have = Version(md.version(re.sub("_", "-", name)))
     except md.PackageNotFoundError:
-        have = None
-    except Exception:
         have = None
     if have is None or have < Version(version):
         print(wheel)

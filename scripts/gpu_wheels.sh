@@ -26,7 +26,7 @@ SKIP+='|matplotlib|contourpy|cycler|fonttools|kiwisolver|pillow|pyparsing|python
 SKIP+='|xgrammar|apache-tvm-ffi|pydantic|pydantic-core|annotated-types|typing-inspection'
 SKIP+='|hf-xet|typer|rich|shellingham|markdown-it-py|mdurl)=='
 pins=$(grep -E '^[a-z0-9_.-]+==' requirements/lock.txt | sed 's/ .*//' | grep -Ev "$SKIP" \
-  | sed -E 's/^(libucx|libucxx|ucxx|rmm|librmm)-cu12==.*/\1-cu13/')
+  | sed -E 's/^(libucx|libucxx|ucxx|rmm|librmm)-cu12==/\1-cu13==/')  # the lock's versions, CUDA 13 builds
 tests=$(grep -E '^(pytest|pytest-asyncio|pytest-timeout|iniconfig|pluggy)==' requirements/lock-dev.txt | sed 's/ .*//')
 rm -rf "$OUT" && mkdir -p "$OUT"
 # shellcheck disable=SC2086  # one word per requirement

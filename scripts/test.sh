@@ -32,7 +32,7 @@ if ! command -v docker-compose >/dev/null; then
   echo "error: docker-compose (Debian package docker-compose) is needed to validate deploy/compose" >&2
   exit 1
 fi
-GRAFANA_ADMIN_PASSWORD=config-check DISTSERVE_REDIS_PASSWORD_ROUTER=config-check DISTSERVE_REDIS_PASSWORD_GATEWAY=config-check DISTSERVE_REDIS_PASSWORD_KVBROKER=config-check DISTSERVE_REDIS_PASSWORD_PREFILL=config-check DISTSERVE_REDIS_PASSWORD_DECODE=config-check DISTSERVE_REDIS_PASSWORD_COLOCATED=config-check DISTSERVE_REDIS_PASSWORD_LAUNCHER=config-check \
+GRAFANA_ADMIN_PASSWORD=config-check DISTSERVE_REDIS_PASSWORD_ROUTER=config-check DISTSERVE_REDIS_PASSWORD_GATEWAY=config-check DISTSERVE_REDIS_PASSWORD_KVBROKER=config-check DISTSERVE_REDIS_PASSWORD_PREFILL=config-check DISTSERVE_REDIS_PASSWORD_DECODE=config-check DISTSERVE_REDIS_PASSWORD_COLOCATED=config-check DISTSERVE_REDIS_PASSWORD_HEALTH=config-check \
   docker-compose -f deploy/compose/docker-compose.yml config -q
 
 echo "== tests"

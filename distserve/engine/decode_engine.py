@@ -321,19 +321,20 @@ def build_decode_engine(runner: ModelRunner, spec, dtype: str, device: str, *, b
                         max_running: int, reserve_ahead_tokens: int = 0, wakeup: asyncio.Event | None = None,
                         grammars: LazyGrammarCompiler | None = None, turns: CoreTurns | NoTurns = NoTurns(),
                         prefix: PrefixNamespace | None = None, gpu_memory_fraction: float = 0.0,
-                        max_step_tokens: int = 0) -> DecodeEngine:
+                        max_step_tokens: int = 0, later_device_bytes: int = 0) -> DecodeEngine:
     """A decode engine over `runner` with a paged cache of kv_cache_mb MiB in blocks of block_size tokens
     (`spec`: the model's ModelSpec; `dtype`: the KV dtype's name); on CUDA with gpu_memory_fraction > 0,
-    of what that fraction of the GPU leaves after the weights and one step's activations (up to
-    max_step_tokens rows, at least max_running: distserve.engine.device_memory). reserve_ahead_tokens 0:
+    of what that fraction of the GPU leaves after the weights, one step's activations (up to
+    max_step_tokens rows, at least max_running: distserve.engine.device_memory) and later_device_bytes
+    (what the worker allocates on the device after this, e.g. a prefill half's prefix cache). reserve_ahead_tokens 0:
     every sequence reserves its whole life on arrival, so none is ever preempted. The one place a decode
     side is built, for decode workers and colocated halves alike."""
     from distserve.engine.device_memory import activation_reserve_bytes, kv_cache_budget_mb
     from distserve.engine.kv_cache import blocks_in_budget
     from distserve.engine.dtype import torch_dtype
 
-    kv_cache_mb = kv_cache_budget_mb(kv_cache_mb, device, gpu_memory_fraction, lambda: activation_reserve_bytes(
-        runner.model.args, max(max_step_tokens, max_running), torch_dtype(dtype).itemsize))
+    kv_cache_mb = kv_cache_budget_mb(kv_cache_mb, device, gpu_memory_fraction, lambda: later_device_bytes + (
+        activation_reserve_bytes(runner.model.args, max(max_step_tokens, max_running), torch_dtype(dtype).itemsize)))
     num_blocks = blocks_in_budget(kv_cache_mb, spec.kv_bytes_per_token(torch_dtype(dtype)), block_size)
     kv_cache = PagedKvCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size,
                             torch_dtype(dtype), device)

@@ -37,7 +37,7 @@ def kv_cache_budget_mb(kv_cache_mb: int, device: str, memory_fraction: float, re
     when nothing is left."""
     if not device.startswith("cuda") or not memory_fraction:
         return kv_cache_mb
-    total, held = (memory or _device_memory)()
+    total, held = (memory or (lambda: _device_memory(torch.device(device))))()
     reserve_bytes = reserve()
     budget = int(total * memory_fraction) - held - reserve_bytes
     if budget < MIB:
@@ -47,6 +47,6 @@ def kv_cache_budget_mb(kv_cache_mb: int, device: str, memory_fraction: float, re
     return budget // MIB
 
 
-def _device_memory() -> tuple[int, int]:
-    _, total = torch.cuda.mem_get_info()
-    return total, torch.cuda.memory_reserved()
+def _device_memory(device: torch.device) -> tuple[int, int]:
+    _, total = torch.cuda.mem_get_info(device)
+    return total, torch.cuda.memory_reserved(device)

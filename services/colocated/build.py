@@ -43,6 +43,7 @@ def build_decode_side(config: ColocatedConfig, runner: ModelRunner, spec: ModelS
                                grammars=grammars,
                                prefix=shared_prefix(config, config.model, config.dtype, config.block_size),
                                gpu_memory_fraction=config.gpu_memory_fraction,
+                               # the prefill side, built first, holds its prefix cache already
                                max_step_tokens=config.max_batch_tokens or saturation_tokens(config.device))
 
 
@@ -55,7 +56,9 @@ def colocated_load(engine: ColocatedEngine, block_size: int) -> dict[str, float]
             "num_running": usage.num_running, "free_blocks": usage.num_free_blocks,
             "total_blocks": usage.num_blocks, "block_size": block_size,
             "decode_tokens_left": decode.tokens_left, "prefill_s_per_token": prefill.cost.per_unit,
-            "decode_s_per_token": decode.cost.per_unit, **prefill.prefix_load()}
+            "decode_s_per_token": decode.cost.per_unit,
+            "prefix_caching": int(decode.shared_blocks is not None),  # its paged cache keeps prompts and answers
+            **prefill.prefix_load()}
 
 
 def also_colocated(config: ColocatedConfig, spec: ModelSpec, engine: ColocatedEngine,

@@ -36,6 +36,7 @@ from services.colocated.config import ColocatedConfig
 from distserve.prefix_config import prefix_settings, shared_prefix
 from services.decode.config import DecodeConfig
 from distserve.engine.decode_engine import DecodeEngine, build_decode_engine
+from distserve.engine.prefill_batcher import saturation_tokens
 from services.decode.server import DecodeServicer
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,10 @@ def build_engine(config: DecodeConfig, model, spec: ModelSpec, grammars: LazyGra
         max_running=config.max_running, reserve_ahead_tokens=config.reserve_ahead_tokens, wakeup=wakeup,
         grammars=grammars, turns=core_turns(config.core_turns),
         prefix=shared_prefix(config, config.model, config.dtype, config.block_size),
-        gpu_memory_fraction=config.gpu_memory_fraction, max_step_tokens=config.max_batch_tokens)
+        gpu_memory_fraction=config.gpu_memory_fraction,
+        # with also_colocated, steps carry prompt chunks too, and the prefill half keeps a prefix cache there
+        max_step_tokens=config.max_batch_tokens or (saturation_tokens(config.device) if config.also_colocated else 0),
+        later_device_bytes=config.prefix_cache_mb * 2**20 if config.also_colocated and config.prefix_caching else 0)
 
 
 async def preconnect(registry: WorkerRegistry, receiver: KvConsumer, interval_s: float) -> None:

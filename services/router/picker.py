@@ -169,11 +169,17 @@ class WorkerPicker:
         return healthy or list(self._workers[role])
 
     def cached_tokens(self, w: WorkerRecord, prompt: PromptBlocks | None) -> int:
-        """The prompt's tokens the worker is expected to have cached (0 where it caches nothing)."""
+        """The prompt's tokens the worker is expected to have cached (0 where it caches nothing): in its
+        prefix cache, and for a dedicated colocated worker also in its paged cache, which its prefill reads
+        too (distserve.engine.paged_prefix; its published events land in decode_blocks)."""
         block_size = int(w.load.get("prefix_block_size", 0))
-        if prompt is None or not block_size:
+        if prompt is None:
             return 0
-        return self.prefix.cached_blocks(w.worker_id, prompt.keys(block_size, kv_dtype(w))) * block_size
+        cached = self.prefix.cached_blocks(w.worker_id, prompt.keys(block_size, kv_dtype(w))) * block_size \
+            if block_size else 0
+        if w.role == "colocated" and not w.load.get("spill_only"):
+            cached = max(cached, self.decode_cached_tokens(w, prompt))
+        return cached
 
     def remember(self, w: WorkerRecord, prompt: PromptBlocks | None) -> None:
         """Records that the prompt was routed to w, whose prefix cache will hold its full blocks."""

@@ -34,8 +34,8 @@ def test_greedy_output_on_the_gpu_matches_transformers(gpu_fleet, reference_mode
 
 
 def test_the_decode_worker_sizes_its_kv_cache_from_its_gpu_share(gpu_fleet):
-    """Its share of GPU 0 (half of --gpu-memory-fraction 0.5, beside the prefill worker) holds far more
-    than the 64 MiB DECODE_TEST_ARGS asks for on CPU, and less than that share."""
+    """Its share of GPU 0 (half of --gpu-memory-fraction 0.5, beside the prefill worker) less the tiny
+    model's weights and activations: most of a quarter of the GPU, not the 64 MiB DECODE_TEST_ARGS asks for."""
     client = redis.Redis.from_url(gpu_fleet.redis_url)
     try:
         (key,) = client.keys("distserve:worker:decode:*")
@@ -45,7 +45,7 @@ def test_the_decode_worker_sizes_its_kv_cache_from_its_gpu_share(gpu_fleet):
     spec = load_model_spec(gpu_fleet.spec.model)
     cache_bytes = load["total_blocks"] * load["block_size"] * spec.kv_bytes_per_token(torch.float32)
     total = torch.cuda.get_device_properties(0).total_memory
-    assert 64 * 2**20 < cache_bytes < 0.25 * total
+    assert 0.15 * total < cache_bytes < 0.25 * total
 
 
 def test_a_decode_engine_on_the_gpu_keeps_its_cache_there(tiny_model_path):
@@ -55,5 +55,5 @@ def test_a_decode_engine_on_the_gpu_keeps_its_cache_there(tiny_model_path):
                                  gpu_memory_fraction=0.2)
     assert engine.kv_cache.storage.device.type == "cuda"
     total = torch.cuda.get_device_properties(0).total_memory
-    assert engine.usage().num_blocks * 16 * spec.kv_bytes_per_token(torch.float32) > 64 * 2**20  # not the 64 MiB
-    assert engine.usage().num_blocks * 16 * spec.kv_bytes_per_token(torch.float32) < 0.2 * total
+    cache_bytes = engine.usage().num_blocks * 16 * spec.kv_bytes_per_token(torch.float32)
+    assert 0.1 * total < cache_bytes < 0.2 * total  # this process's share, not the 64 MiB asked for on CPU

@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from distserve import redis_acl
+from distserve.compose_secrets import HEALTH, env_name
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
-ROLES = ("router", "gateway", "kvbroker", "prefill", "decode", "colocated", "launcher")
-REDIS_PASSWORDS = {f"DISTSERVE_REDIS_PASSWORD_{role.upper()}": f"pw-{role}" for role in ROLES}
+# every user the compose file names (compose-secrets writes these and the administrator's)
+REDIS_PASSWORDS = {env_name(user): f"pw-{user}" for user in (*redis_acl.ROLES, HEALTH) if user != redis_acl.ADMIN}
 PUBLISHED = {"gateway": {8000}, "jaeger": {16686}, "grafana": {3000}}
 # The module each service runs -> (its config class, the config field holding its metrics port).
 METRICS_PORT = {"services.router": ("services.router.config:RouterConfig", "metrics_port"),
@@ -69,7 +72,7 @@ def test_grafana_has_no_default_password():
 
 
 def test_compose_refuses_to_start_without_the_redis_users():
-    for missing in ("DISTSERVE_REDIS_PASSWORD_ROUTER", "DISTSERVE_REDIS_PASSWORD_LAUNCHER"):
+    for missing in ("DISTSERVE_REDIS_PASSWORD_ROUTER", "DISTSERVE_REDIS_PASSWORD_HEALTH"):
         env = {**_without_publish_settings(), "GRAFANA_ADMIN_PASSWORD": "compose-test", **REDIS_PASSWORDS}
         del env[missing]
         reply = subprocess.run([_docker_compose(), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True,
@@ -81,11 +84,11 @@ def test_redis_loads_a_user_per_role_and_every_service_presents_its_own(services
     redis_service = services["redis"]
     # the users come from the ACL file compose-secrets wrote (hashes only); no password on any command line
     assert redis_service["command"][:3] == ["redis-server", "--aclfile", "/etc/redis/users.acl"]
-    assert any(str(v).endswith(":/etc/redis/users.acl:ro") or (isinstance(v, dict) and v.get("target") ==
+    assert any(str(v).endswith(":/etc/redis/users.acl:ro,z") or (isinstance(v, dict) and v.get("target") ==
                "/etc/redis/users.acl") for v in redis_service["volumes"])
     assert not any(password in " ".join(redis_service["command"]) for password in REDIS_PASSWORDS.values())
-    assert redis_service["environment"] == {"DISTSERVE_REDIS_PASSWORD_LAUNCHER": "pw-launcher"}
-    assert "--user launcher" in " ".join(redis_service["healthcheck"]["test"])
+    assert redis_service["environment"] == {"DISTSERVE_REDIS_PASSWORD_HEALTH": "pw-health"}  # may only PING
+    assert "--user health" in " ".join(redis_service["healthcheck"]["test"])
     roles = {"kvbroker": "kvbroker", "kvbroker-2": "kvbroker", "prefill": "prefill", "decode": "decode",
              "colocated": "colocated", "router": "router", "router-2": "router", "gateway": "gateway"}
     for name, service in services.items():

@@ -29,14 +29,24 @@ def test_a_bad_gpu_list_is_refused_naming_the_flag(text):
 
 def test_as_many_gpus_as_workers_give_each_its_own_with_the_whole_fraction():
     plan = plan_gpus(["prefill-0", "decode-0", "decode-1"], [0, 1, 2], 0.9)
-    assert plan == {"prefill-0": GpuShare(0, 0.9), "decode-0": GpuShare(1, 0.9), "decode-1": GpuShare(2, 0.9)}
+    assert plan == {"prefill-0": GpuShare("0", 0.9), "decode-0": GpuShare("1", 0.9), "decode-1": GpuShare("2", 0.9)}
 
 
 def test_workers_sharing_a_gpu_split_its_fraction():
     plan = plan_gpus(["prefill-0", "decode-0"], [3], 0.8)  # one GPU: the stated half-and-half split
-    assert plan == {"prefill-0": GpuShare(3, 0.4), "decode-0": GpuShare(3, 0.4)}
+    assert plan == {"prefill-0": GpuShare("3", 0.4), "decode-0": GpuShare("3", 0.4)}
     uneven = plan_gpus(["prefill-0", "prefill-1", "decode-0"], [0, 1], 0.9)  # round-robin: GPU 0 gets two
-    assert uneven == {"prefill-0": GpuShare(0, 0.45), "prefill-1": GpuShare(1, 0.9), "decode-0": GpuShare(0, 0.45)}
+    assert uneven == {"prefill-0": GpuShare("0", 0.45), "prefill-1": GpuShare("1", 0.9),
+                      "decode-0": GpuShare("0", 0.45)}
+
+
+def test_inside_an_allocation_gpus_count_within_it():
+    """Under a scheduler's CUDA_VISIBLE_DEVICES=2,3 (or UUIDs), --gpus 0,1 means those two, and nothing beyond."""
+    plan = plan_gpus(["prefill-0", "decode-0"], [0, 1], 0.9, visible="2,3")
+    assert plan == {"prefill-0": GpuShare("2", 0.9), "decode-0": GpuShare("3", 0.9)}
+    assert plan_gpus(["decode-0"], [1], 0.9, visible="GPU-a, GPU-b")["decode-0"].gpu == "GPU-b"
+    with pytest.raises(ConfigError, match="^gpus: 2 is beyond the 2 GPU"):
+        plan_gpus(["prefill-0"], [2], 0.9, visible="2,3")
 
 
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
@@ -46,12 +56,13 @@ def test_a_fraction_outside_zero_to_one_is_refused(fraction):
 
 
 def test_a_worker_sees_only_its_gpu_as_cuda():
-    assert GpuShare(2, 0.45).env() == {"CUDA_VISIBLE_DEVICES": "2", "DISTSERVE_DEVICE": "cuda",
-                                       "DISTSERVE_GPU_MEMORY_FRACTION": "0.45"}
+    assert GpuShare("2", 0.45).env() == {"CUDA_VISIBLE_DEVICES": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                         "DISTSERVE_DEVICE": "cuda", "DISTSERVE_GPU_MEMORY_FRACTION": "0.45"}
 
 
 def test_the_launcher_starts_each_worker_on_its_gpu_and_the_control_plane_on_none(monkeypatch, tmp_path):
     spawned = {}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     def fake_spawn(self, name, argv, env=None):
         spawned[name] = env or {}
@@ -60,8 +71,8 @@ def test_the_launcher_starts_each_worker_on_its_gpu_and_the_control_plane_on_non
     monkeypatch.setattr(Cluster, "_spawn", fake_spawn)
     spec = ClusterSpec(model="m", num_prefill=1, num_decode=2, gpus="0,1", gpu_memory_fraction=0.8,
                        log_dir=str(tmp_path))
-    assert plan_worker_gpus(spec) == {"prefill-0": GpuShare(0, 0.4), "decode-0": GpuShare(1, 0.8),
-                                      "decode-1": GpuShare(0, 0.4)}
+    assert plan_worker_gpus(spec) == {"prefill-0": GpuShare("0", 0.4), "decode-0": GpuShare("1", 0.8),
+                                      "decode-1": GpuShare("0", 0.4)}
     cluster = Cluster(spec)
     for name, module in (("prefill-0", "services.prefill"), ("decode-1", "services.decode"),
                          ("router", "services.router")):

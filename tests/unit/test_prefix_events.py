@@ -96,18 +96,55 @@ async def test_a_router_follows_what_a_worker_publishes_through_redis(redis_clie
     assert attach_prefix_events(redis_client, "p1") == []  # nothing cached: nothing to publish
 
 
-async def test_a_failed_publish_is_logged_and_the_loop_goes_on(caplog):
-    class DownRedis:
+async def test_after_a_failed_publish_the_next_round_starts_with_a_reset(redis_client, caplog):
+    """The events of a failed round are lost (evictions among them), so routers are told to forget."""
+    await redis_client.delete(STREAM_KEY)
+    failures = [1]
+
+    class FlakyRedis:
         def pipeline(self, transaction):
-            raise ConnectionError("redis is away")
+            if failures:
+                failures.pop()
+                raise ConnectionError("redis is away")
+            return redis_client.pipeline(transaction=transaction)
 
     events = PrefixEventLog()
-    task = asyncio.create_task(publish_prefix_events(DownRedis(), "p0", events, (PREFILL_CACHE,), interval_s=0.01))
-    await asyncio.sleep(0.05)
-    assert not task.done()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    assert "publishing 1 prefix events failed" in caplog.text
+    events.evicted(PREFILL_CACHE, [KEY])  # lost with the failed round
+    task = asyncio.create_task(publish_prefix_events(FlakyRedis(), "p0", events, (PREFILL_CACHE,), interval_s=0.01))
+    try:
+        for _ in range(200):
+            if await redis_client.xlen(STREAM_KEY):
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert "publishing 2 prefix events failed" in caplog.text
+    published = [parse_entry(fields) for _, fields in await redis_client.xrange(STREAM_KEY)]
+    assert published == [PrefixEvent("p0", PREFILL_CACHE, RESET)]
+
+
+async def test_an_event_the_router_cannot_apply_is_logged_and_the_rest_still_apply(redis_client, caplog):
+    await redis_client.delete(STREAM_KEY)
+    for worker in ("bad", "good"):
+        await redis_client.xadd(STREAM_KEY, {"w": worker, "c": PREFILL_CACHE, "op": RESET, "k": b""})
+    seen = []
+
+    def apply(event):
+        if event.worker_id == "bad":
+            raise KeyError("no such worker")
+        seen.append(event.worker_id)
+
+    task = asyncio.create_task(follow_prefix_events(redis_client, apply, block_ms=50))
+    try:
+        for _ in range(200):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert seen == ["good"] and "applying prefix event" in caplog.text
 
 
 def test_router_keys_are_the_workers_keys():
@@ -135,3 +172,19 @@ def test_the_picker_folds_stores_evictions_and_resets_per_cache():
     picker.apply_prefix_event(PrefixEvent("p0", PAGED_CACHE, STORED, tuple(keys)))
     picker.apply_prefix_event(PrefixEvent("p0", PREFILL_CACHE, RESET))
     assert picker.cached_tokens(worker, prompt) == 0 and picker.decode_blocks.num_blocks("p0") == 3
+
+
+def test_a_colocated_workers_paged_cache_counts_for_its_prompts():
+    """Its prefill reads its paged cache too (earlier answers), so what that cache lists counts; a
+    spill-only half's does not (the router reaches those through pick_prefix_spill)."""
+    picker = WorkerPicker(registry=None, suspect_s=5.0)
+    load = {"prefix_block_size": BLOCK, "prefix_cache_blocks": 64, "block_size": BLOCK, "total_blocks": 64,
+            "prefix_caching": 1}
+    dedicated = WorkerRecord("c0", "colocated", "h:1", load=load, kv_format="1x1x2:float32")
+    spill_half = WorkerRecord("d0", "colocated", "h:2", load={**load, "spill_only": 1}, kv_format="1x1x2:float32")
+    picker._workers["colocated"] = [dedicated, spill_half]
+    chat = PromptBlocks("m", list(range(3 * BLOCK + 1)))
+    for worker in ("c0", "d0"):
+        picker.apply_prefix_event(PrefixEvent(worker, PAGED_CACHE, STORED, tuple(chat.keys(BLOCK, "float32"))))
+    assert picker.cached_tokens(dedicated, chat) == 3 * BLOCK
+    assert picker.cached_tokens(spill_half, chat) == 0
