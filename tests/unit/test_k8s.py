@@ -18,6 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from distserve.compose_secrets import HEALTH, env_name
+
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")
 K8S_VERSION = "1.32.0"
@@ -120,19 +122,28 @@ def test_the_gpu_overlay_gives_each_worker_one_gpu():
     assert "nvidia.com/gpu" not in str(container(deployments["router"]))
 
 
-def test_redis_requires_the_secret_password_and_every_service_presents_it(objects):
+def test_redis_loads_a_user_per_role_and_every_service_presents_its_own(objects):
     deployments = of_kind(objects, "Deployment")
     redis = container(deployments["redis"])
-    password = {e["name"]: e for e in redis["env"]}["REDIS_PASSWORD"]
-    assert password["valueFrom"]["secretKeyRef"] == {"name": "distserve-redis", "key": "password"}
-    # on redis-server's stdin, never on a command line (`ps`); the probes authenticate through the environment
-    assert "requirepass $REDIS_PASSWORD" in redis["command"][-1] and "args" not in redis
+    # the users from the operator's secret (compose-secrets' files: password hashes only), no password on a
+    # command line (`ps`); the probes authenticate as a PING-only user through the environment
+    assert redis["command"][:3] == ["redis-server", "--aclfile", "/etc/redis/users.acl"] and "args" not in redis
+    (users,) = [v for v in deployments["redis"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "users"]
+    assert users["secret"] == {"secretName": "distserve-redis-users", "items": [{"key": "users.acl", "path": "users.acl"}]}
+    health = {e["name"]: e for e in redis["env"]}["REDIS_HEALTH_PASSWORD"]
+    assert health["valueFrom"]["secretKeyRef"] == {"name": "distserve-redis-users", "key": env_name(HEALTH)}
     for probe in ("readinessProbe", "livenessProbe"):
         assert "REDISCLI_AUTH=" in redis[probe]["exec"]["command"][-1]
+        assert "--user health" in redis[probe]["exec"]["command"][-1]
     for name, deployment in deployments.items():
-        if name != "redis":
-            env = {e["name"]: e.get("value", "") for e in container(deployment).get("env", [])}
-            assert env["DISTSERVE_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0", name
+        if name == "redis":
+            continue
+        env = {e["name"]: e for e in container(deployment).get("env", [])}
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "distserve-redis-users",
+                                                                      "key": env_name(name)}, name
+        assert env["DISTSERVE_REDIS_URL"]["value"] == f"redis://{name}:$(REDIS_PASSWORD)@redis:6379/0", name
+        names = [e["name"] for e in container(deployment)["env"]]
+        assert names.index("REDIS_PASSWORD") < names.index("DISTSERVE_REDIS_URL"), name  # $(...) sees only earlier
 
 
 # The module each manifest runs -> its config class and the prefix of its environment variables.
