@@ -4,7 +4,10 @@ releases that outlive cancellation.
 Replicas: `--broker-address` may name several kvbrokers, comma-separated. They keep no state of their
 own (handles live in Redis), so any of them serves any call. A call goes to the replica that answered
 last; when that one is unreachable (UNAVAILABLE: killed, restarting) or stalled (DEADLINE_EXCEEDED) the
-call moves on to the next, each replica tried once per call. Moving a call that may have landed is safe:
+call moves on to the next, each replica tried once per call. The last replica tried waits for its
+connection within the deadline (gRPC's wait_for_ready) rather than failing fast: a kvbroker that was
+restarted a moment ago is back before the channel's reconnect backoff ends, and the call must not be
+refused for that. Moving a call that may have landed is safe:
 a register that landed reads ALREADY_EXISTS on the next replica, which counts as done here, a claim
 repeated by its claimant returns the same handle (services.kvbroker.store), and a release is idempotent.
 """
@@ -61,13 +64,15 @@ class BrokerClient:
         first = self._current  # read once: calls finishing meanwhile move it, and this call must try each once
         for attempt in range(len(self._stubs)):
             index = (first + attempt) % len(self._stubs)
+            last = attempt == len(self._stubs) - 1
             try:
-                reply = await getattr(self._stubs[index], method)(request, timeout=self._timeout_s)
+                reply = await getattr(self._stubs[index], method)(request, timeout=self._timeout_s,
+                                                                  wait_for_ready=last)
             except grpc.aio.AioRpcError as exc:
                 if attempt and exc.code() in landed:
                     self._current = index
                     return None
-                if exc.code() not in FAILOVER_CODES or attempt == len(self._stubs) - 1:
+                if exc.code() not in FAILOVER_CODES or last:
                     raise
                 log.warning("kvbroker %d of %d: %s on %s; trying the next", index + 1, len(self._stubs),
                             exc.code().name, method)
@@ -98,14 +103,14 @@ class BrokerClient:
         return future
 
     async def _release(self, request: kvbroker_pb2.ReleaseHandleRequest) -> kvbroker_pb2.ReleaseHandleResponse:
-        """One release, retried while no replica is reachable (see RELEASE_RETRY_S)."""
+        """One release, retried while no replica answers in time (see RELEASE_RETRY_S)."""
         deadline = asyncio.get_running_loop().time() + RELEASE_RETRY_S
         wait_s, longest_s = RELEASE_BACKOFF_S
         while True:
             try:
                 return await self._call("ReleaseHandle", request)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or asyncio.get_running_loop().time() + wait_s > deadline:
+                if exc.code() not in FAILOVER_CODES or asyncio.get_running_loop().time() + wait_s > deadline:
                     raise
             await asyncio.sleep(wait_s)
             wait_s = min(2 * wait_s, longest_s)

@@ -11,7 +11,9 @@ import pytest
 from distserve import broker_client
 from distserve.broker_client import BrokerClient, broker_addresses
 from distserve.config import ConfigError
-from distserve.v1 import kvbroker_pb2
+from distserve.grpc_server import PLAINTEXT, aio_channel
+from distserve.ports import free_port
+from distserve.v1 import kvbroker_pb2, kvbroker_pb2_grpc
 
 
 def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -24,22 +26,25 @@ class FakeBrokerStub:
     def __init__(self, failures: list[grpc.StatusCode] = ()):
         self.failures = list(failures)
         self.calls: list[str] = []
+        self.waited_for_ready: list[bool] = []
 
-    def _answer(self, method: str, reply):
+    def _answer(self, method: str, reply, wait_for_ready: bool):
         self.calls.append(method)
+        self.waited_for_ready.append(wait_for_ready)
         if self.failures:
             raise rpc_error(self.failures.pop(0))
         return reply
 
-    async def ReleaseHandle(self, request, timeout):  # noqa: N802 (the gRPC method's name)
-        return self._answer("release", kvbroker_pb2.ReleaseHandleResponse(existed=True))
+    async def ReleaseHandle(self, request, timeout, wait_for_ready):  # noqa: N802 (the gRPC method's name)
+        return self._answer("release", kvbroker_pb2.ReleaseHandleResponse(existed=True), wait_for_ready)
 
-    async def RegisterHandle(self, request, timeout):  # noqa: N802
-        return self._answer("register", kvbroker_pb2.RegisterHandleResponse(handle=request.handle))
+    async def RegisterHandle(self, request, timeout, wait_for_ready):  # noqa: N802
+        return self._answer("register", kvbroker_pb2.RegisterHandleResponse(handle=request.handle), wait_for_ready)
 
-    async def ClaimHandle(self, request, timeout):  # noqa: N802
+    async def ClaimHandle(self, request, timeout, wait_for_ready):  # noqa: N802
         return self._answer("claim", kvbroker_pb2.ClaimHandleResponse(
-            handle=kvbroker_pb2.KvHandle(handle_id=request.handle_id, claimed_by=request.claimant_worker_id)))
+            handle=kvbroker_pb2.KvHandle(handle_id=request.handle_id, claimed_by=request.claimant_worker_id)),
+            wait_for_ready)
 
 
 class UnusedChannel:
@@ -118,6 +123,47 @@ async def test_with_every_replica_down_the_last_ones_error_is_raised():
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+async def test_only_the_last_replica_tried_waits_for_its_connection():
+    """Earlier replicas fail fast so the call moves on; the last one waits (within the deadline) for a
+    kvbroker that is coming back."""
+    first, last = FakeBrokerStub([grpc.StatusCode.UNAVAILABLE]), FakeBrokerStub()
+    await client_with(first, last).register(kvbroker_pb2.KvHandle(handle_id="h1"), lease_s=5)
+    assert first.waited_for_ready == [False] and last.waited_for_ready == [True]
+
+
+class Broker(kvbroker_pb2_grpc.KvBrokerServiceServicer):
+    async def RegisterHandle(self, request, context):  # noqa: N802
+        return kvbroker_pb2.RegisterHandleResponse(handle=request.handle)
+
+
+async def serve_broker(port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    kvbroker_pb2_grpc.add_KvBrokerServiceServicer_to_server(Broker(), server)
+    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    await server.start()
+    return server
+
+
+async def test_a_kvbroker_restarted_a_moment_ago_is_called_not_refused():
+    """A call that found the kvbroker down left the channel in its reconnect backoff; a call right after
+    the kvbroker came back on the same port waits out the backoff and lands, with our channel options."""
+    port = free_port()
+    server = await serve_broker(port)
+    channel = aio_channel(f"127.0.0.1:{port}", PLAINTEXT)
+    client = BrokerClient([channel], timeout_s=0.5)
+    try:
+        await client.register(kvbroker_pb2.KvHandle(handle_id="h1"), lease_s=5)
+        await server.stop(grace=None)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await client.register(kvbroker_pb2.KvHandle(handle_id="h2"), lease_s=5)
+        server = await serve_broker(port)
+        client._timeout_s = 5.0  # the channel's longest backoff (2 s) fits
+        await client.register(kvbroker_pb2.KvHandle(handle_id="h3"), lease_s=5)
+    finally:
+        await channel.close()
+        await server.stop(grace=None)
+
+
 def test_addresses_are_comma_separated_and_at_least_one():
     assert broker_addresses("a:1, b:2,") == ["a:1", "b:2"]
     with pytest.raises(ConfigError, match="broker_address"):
@@ -131,7 +177,7 @@ class StalledStub(FakeBrokerStub):
         super().__init__()
         self.release = asyncio.Event()
 
-    async def ClaimHandle(self, request, timeout):  # noqa: N802
+    async def ClaimHandle(self, request, timeout, wait_for_ready):  # noqa: N802
         self.calls.append("claim")
         await self.release.wait()
         raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED)
