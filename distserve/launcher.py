@@ -10,7 +10,8 @@ warning is logged. Redis, the kvbroker, the router and the gateway are not
 pinned: they inherit the launcher's affinity and do little compute.
 
 Start order: Redis, then the kvbroker (its address goes to the workers), then
-the workers and the router, then the gateway (it needs the router's address).
+the workers, the router and the gateway together (the gateway gets the routers' addresses; it is started
+again should a router move to other ports).
 The Redis it starts has a user per role with a fresh password each (distserve.redis_acl); each child
 gets its role's URL through DISTSERVE_REDIS_URL (never argv), the launcher keeps the admin user's.
 A child whose automatically chosen port was taken before it could bind is
@@ -411,9 +412,12 @@ class Cluster:
         workers = self._start_workers()
         routers = [self._start_named(router_name(i), "services.router", spec.router_port, i, [], 40 + i if i else 0)
                    for i in range(max(spec.num_routers, 1))]
+        # The gateway loads its tokenizer meanwhile (seconds): it only needs the routers' addresses.
+        gateway = self._spawn_gateway() if spec.gateway_port is not None else None
         self._wait_serving([*workers, *routers], timeout_s)
-        if spec.gateway_port is not None:
-            self._start_gateway(timeout_s)
+        if gateway is not None:
+            self._point_gateway_at_routers(gateway)
+            self._wait_gateway(gateway, timeout_s)
 
     def _build_cpu_kernels(self) -> None:
         """Builds the workers' CPU kernels, announced, on a machine without a build of them as they are now;
@@ -484,14 +488,31 @@ class Cluster:
         process.auto_ports = not base_port and not metrics
         return process
 
-    def _start_gateway(self, timeout_s: float) -> None:
+    def _gateway_env(self) -> dict[str, str]:
+        return {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url_for("gateway"),
+                "DISTSERVE_ROUTER_ADDRESS": ",".join(self.router_addresses), "OTEL_SERVICE_NAME": "distserve-gateway"}
+
+    def _spawn_gateway(self) -> ManagedProcess:
         port = self._port(self.spec.gateway_port)
-        env = {"DISTSERVE_MODEL": self.spec.model, "DISTSERVE_REDIS_URL": self.redis_url_for("gateway"),
-               "DISTSERVE_ROUTER_ADDRESS": ",".join(self.router_addresses), "OTEL_SERVICE_NAME": "distserve-gateway"}
         process = self._spawn("gateway", [sys.executable, "-m", "services.router.gateway", "--port", str(port),
-                                          *self.spec.gateway_args], env)
+                                          *self.spec.gateway_args], self._gateway_env())
         process.auto_ports = not self.spec.gateway_port
         self.gateway_url = f"http://127.0.0.1:{port}"  # _ensure_running may move it
+        return process
+
+    def _point_gateway_at_routers(self, process: ManagedProcess) -> None:
+        """Starts the gateway again if a router moved to other ports after the gateway got their addresses."""
+        env = self._child_env(self._gateway_env())
+        if env["DISTSERVE_ROUTER_ADDRESS"] == process.env["DISTSERVE_ROUTER_ADDRESS"]:
+            return
+        log.warning("gateway: a router moved to %s; starting the gateway again", env["DISTSERVE_ROUTER_ADDRESS"])
+        if process.popen.poll() is None:
+            os.killpg(process.popen.pid, signal.SIGKILL)
+            process.popen.wait(timeout=30)
+        process.env = env
+        self.respawn(process)
+
+    def _wait_gateway(self, process: ManagedProcess, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._ensure_running(process)

@@ -83,4 +83,4 @@ def test_a_child_that_fails_to_start_is_shown_with_its_last_log_lines(tiny_model
     assert up.stderr.startswith(f"error: decode-0 exited with code 1; the last lines of its log {log_path}:\n")
     assert "kv_cache_mb: invalid literal for int()" in up.stderr
     assert f"  {log_path.read_text().splitlines()[-1]}" in up.stderr.splitlines()  # its log's last line, indented
-    assert "starting gateway ..." not in up.stdout  # the start ended there
+    assert "ready; Ctrl-C stops everything" not in up.stdout  # the start ended there
