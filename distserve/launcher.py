@@ -6,8 +6,9 @@ through `Cluster`, so what the tests exercise is what users run.
 Cores: each prefill and decode worker is pinned (`--cpus`, and OMP_NUM_THREADS
 set to match) to its own cores, split by `distserve.cpus.split_cores`; two
 workers share a core only when there are fewer cores than workers, and then a
-warning is logged. Redis, the kvbroker, the router and the gateway are not
-pinned: they inherit the launcher's affinity and do little compute.
+warning is logged. Redis, the kvbroker, the router and the gateway (the control
+plane) run on `control_cpus` (see plan_control_cpus), but on every core until all
+children serve, so that their start does not queue behind the workers' own.
 
 Start order: Redis, then the kvbroker (its address goes to the workers), then
 the workers, the router and the gateway together (the gateway gets the routers' addresses; it is started
@@ -59,7 +60,7 @@ from distserve.metrics import LauncherMetrics
 from distserve.control_placement import ControlPlacement
 from distserve.record_signing import KEY_ENV, KEY_FILE_ENV, RecordSigner, load_key, write_key_file
 from distserve import redis_acl
-from distserve.cpus import format_cpu_list, lower_priority, parse_cpu_list, split_cores
+from distserve.cpus import format_cpu_list, lower_priority, move_threads, parse_cpu_list, split_cores
 from distserve.gpu_placement import GpuShare, parse_gpu_list, plan_gpus
 from distserve.dev_certs import role_tls
 from distserve.engine import cpu_kernels
@@ -345,6 +346,7 @@ class Cluster:
         self.control_placement: ControlPlacement | None = None
         self.metrics = LauncherMetrics(lambda: list(self.processes.values()))
         self.metrics_url = ""  # the launcher's own Prometheus endpoint, once started
+        self._starting = True  # control-plane children float over every core until all serve
 
     def _port(self, wanted: int, offset: int = 0) -> int:
         return wanted + offset if wanted else free_port()
@@ -418,6 +420,7 @@ class Cluster:
         if gateway is not None:
             self._point_gateway_at_routers(gateway)
             self._wait_gateway(gateway, timeout_s)
+        self._pin_control_plane()
 
     def _build_cpu_kernels(self) -> None:
         """Builds the workers' CPU kernels, announced, on a machine without a build of them as they are now;
@@ -592,8 +595,20 @@ class Cluster:
                                  nice=plan_nice(self.spec, name))
         self.report.starting(name)
         process.popen = _popen(process, "wb")
+        if process.cpus is not None and self._starting:
+            # Until every child serves, the control plane may use every core: its start (imports, the
+            # tokenizer: seconds) would otherwise queue on the decode workers' cores beside their own.
+            move_threads([process.popen.pid], sorted(os.sched_getaffinity(0)))
         self.processes[name] = process
         return process
+
+    def _pin_control_plane(self) -> None:
+        """Ends the start's floating: the control plane's every thread back on its cores (twice, to catch
+        a thread started during the first pass)."""
+        self._starting = False
+        pids = [process.popen.pid for process in self.processes.values() if process.cpus is not None]
+        for _ in range(2):
+            move_threads(pids, self.control_cpus)
 
     def respawn(self, process: ManagedProcess) -> None:
         """Starts a dead child again with its argv, environment and ports; its log is appended to."""

@@ -181,20 +181,27 @@ def test_launcher_rejects_cores_it_may_not_use():
         plan_worker_cpus(ClusterSpec(model="m", cpus=str(missing)))
 
 
-def test_control_plane_children_start_on_the_control_cpus(tmp_path):
-    """Router, gateway, kvbroker and Redis start pinned to --control-cpus (a real child, from the
-    launcher's own spawn path); workers are left to pin themselves from their --cpus."""
+def test_control_plane_children_float_while_starting_then_run_on_the_control_cpus(tmp_path):
+    """Router, gateway, kvbroker and Redis (real children, from the launcher's own spawn path) may use every
+    core until the start ends, then run on --control-cpus, as does one restarted later; workers are left
+    to pin themselves from their --cpus."""
     allowed = os.sched_getaffinity(0)
     core = max(allowed)
     cluster = Cluster(ClusterSpec(model="m", num_prefill=1, num_decode=1, control_cpus=str(core),
                                   log_dir=str(tmp_path)))
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    children = [cluster._spawn("router", sleeper), cluster._spawn("prefill-0", sleeper)]
+    router, prefill = cluster._spawn("router", sleeper), cluster._spawn("prefill-0", sleeper)
     try:
-        assert os.sched_getaffinity(children[0].popen.pid) == {core}
-        assert os.sched_getaffinity(children[1].popen.pid) == allowed
+        assert os.sched_getaffinity(router.popen.pid) == allowed
+        cluster._pin_control_plane()
+        assert os.sched_getaffinity(router.popen.pid) == {core}
+        assert os.sched_getaffinity(prefill.popen.pid) == allowed
+        router.popen.kill()
+        router.popen.wait()
+        cluster.respawn(router)  # as the supervisor restarts it
+        assert os.sched_getaffinity(router.popen.pid) == {core}
     finally:
-        for child in children:
+        for child in (router, prefill):
             child.popen.kill()
             child.popen.wait()
 
