@@ -35,12 +35,13 @@ class ModelShape:
     vocab: int
     kv_heads: int = 0  # 0: as many as heads (no grouped-query attention)
     bytes_per_param: int = 2  # bf16
+    mlp_matrices: int = 3  # Llama's gate, up and down; 2 for OPT's fc1 and fc2
 
     @property
     def num_params(self) -> int:
         head_dim = self.hidden // self.heads
         attn = 2 * self.hidden * self.hidden + 2 * self.hidden * (self.kv_heads or self.heads) * head_dim
-        mlp = 3 * self.hidden * self.intermediate  # gate, up, down
+        mlp = self.mlp_matrices * self.hidden * self.intermediate
         return self.layers * (attn + mlp) + 2 * self.vocab * self.hidden  # + embedding and LM head
 
     @property
@@ -71,7 +72,10 @@ A100_80GB = Hardware("A100-80GB", peak_flops=312e12, hbm_bytes_per_s=2.0e12, hbm
                      intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9)
 LLAMA_13B = ModelShape("llama-13b", hidden=5120, layers=40, heads=40, intermediate=13824, vocab=32000)
 HARDWARE = {"a100-80gb": A100_80GB}
-MODELS = {"llama-13b": LLAMA_13B,
+# OPT-13B (the DistServe paper's chatbot model; facebook/opt-13b config.json). Its tied embedding is counted
+# twice (as for the untied Llamas), 0.5 of ~26 GB: within the roofline's own error.
+OPT_13B = ModelShape("opt-13b", hidden=5120, layers=40, heads=40, intermediate=20480, vocab=50272, mlp_matrices=2)
+MODELS = {"llama-13b": LLAMA_13B, "opt-13b": OPT_13B,
           "llama-7b": ModelShape("llama-7b", hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000)}
 
 

@@ -17,7 +17,8 @@ import collections
 from typing import Callable
 
 from distserve.planner.profile import Profile, chunk_attn_pairs
-from distserve.planner.sim_workers import EventLoop, KvBlocks, SimRequest, step_seconds, take_prefill_batch
+from distserve.planner.sim_workers import (EventLoop, KvBlocks, SimRequest, step_seconds, take_prefill_batch,
+                                          take_whole_prompts)
 
 Callback = Callable[[SimRequest], None]
 
@@ -98,10 +99,15 @@ class DecodeSim:
 
 
 class ColocatedSim:
-    """A colocated worker: prefill chunks and decode rows share each step (engine/colocated_engine.py)."""
+    """A colocated worker: prefill chunks and decode rows share each step (engine/colocated_engine.py).
+
+    `chunked_prefill=False` models the engines before chunked prefill (vLLM up to 0.4, the DistServe
+    paper's baseline): while prompts wait, a step prefills whole prompts only (take_whole_prompts) and
+    every decoding sequence waits for it; otherwise the step decodes."""
 
     def __init__(self, loop: EventLoop, profile: Profile, max_batch_tokens: int, max_running: int, node: int,
-                 block_size: int, on_first_token: Callback, on_finished: Callback):
+                 block_size: int, on_first_token: Callback, on_finished: Callback, chunked_prefill: bool = True):
+        self.chunked_prefill = chunked_prefill
         self.loop, self.profile, self.node = loop, profile, node
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.blocks = KvBlocks(profile.kv_capacity_tokens, block_size)
@@ -134,19 +140,23 @@ class ColocatedSim:
     def _start_step(self) -> None:
         while self._waiting and self._running.size < self.max_running:
             self._running.add(self._waiting.popleft())
-        # decoding rows go first and ride on top of the prompts' budget (ColocatedEngine.run)
-        chunks = take_prefill_batch(self._prompts, self.max_batch_tokens)
-        self._is_busy = bool(chunks) or self._running.size > 0
+        if self.chunked_prefill:  # decoding rows go first and ride on top of the prompts' budget (ColocatedEngine.run)
+            chunks, decodes = take_prefill_batch(self._prompts, self.max_batch_tokens), True
+        else:  # a prefill-only step while prompts wait, else a decode-only one
+            chunks = take_whole_prompts(self._prompts, self.max_batch_tokens)
+            decodes = not chunks
+        num_decode = self._running.size if decodes else 0
+        self._is_busy = bool(chunks) or num_decode > 0
         if self._is_busy:
             tokens = sum(n for _, n in chunks)
             attn = sum(chunk_attn_pairs(n, req.num_computed) for req, n in chunks)
-            seconds = step_seconds(self.profile, tokens, attn, self._running.size, self._running.context_sum)
-            seconds += self._running.size * self.frontend_charge()
-            self.loop.call_later(seconds, self._end_step, chunks)
+            seconds = step_seconds(self.profile, tokens, attn, num_decode, self._running.context_sum if decodes else 0)
+            seconds += num_decode * self.frontend_charge()
+            self.loop.call_later(seconds, self._end_step, chunks, decodes)
 
-    def _end_step(self, chunks: list[tuple[SimRequest, int]]) -> None:
+    def _end_step(self, chunks: list[tuple[SimRequest, int]], decodes: bool = True) -> None:
         # _is_busy stays set through the callbacks, so a prompt they queue waits for _start_step
-        for req in self._running.advance():
+        for req in (self._running.advance() if decodes else ()):
             self._finish(req)
         for req, n in chunks:
             req.num_computed += n

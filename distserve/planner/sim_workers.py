@@ -105,6 +105,20 @@ def take_prefill_batch(waiting: list[SimRequest], budget: int) -> list[tuple[Sim
     return batch
 
 
+def take_whole_prompts(waiting: list[SimRequest], budget: int) -> list[tuple[SimRequest, int]]:
+    """A prefill-only step without chunking, as vLLM before chunked prefill and DistServe's own simulator
+    schedule it (simdistserve/base/worker.py `_enter_prefill`): whole prompts in arrival order while they
+    fit `budget`, stopping at the first that does not; the first is taken whatever its length."""
+    batch: list[tuple[SimRequest, int]] = []
+    for req in waiting:
+        if batch and req.num_remaining > budget:
+            break
+        batch.append((req, req.num_remaining))
+        budget -= req.num_remaining
+    del waiting[:len(batch)]
+    return batch
+
+
 class PrefillSim:
     """A prefill worker: the batching loop plus its one-at-a-time KV send queue."""
 

@@ -52,6 +52,9 @@ class WorkerSpec:
     """Decode/colocated: most sequences decoding at once."""
     node: int = 0
     """Which machine the worker runs on; KV moving between machines uses the inter-node link."""
+    chunked_prefill: bool = True
+    """Colocated: prompts chunked into steps beside decode rows (ours, vLLM today); False: whole prompts
+    in prefill-only steps that decode rows wait for (vLLM before chunked prefill, see ColocatedSim)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -127,7 +130,7 @@ class _Simulation:
             self.decode.append(worker)
         else:
             worker = ColocatedSim(self.loop, spec.profile, spec.budget, spec.max_running, spec.node, bs,
-                                  self._first_token, self._finished)
+                                  self._first_token, self._finished, spec.chunked_prefill)
             self.colocated.append(worker)
         if self.config.frontend_s_per_token:
             worker.frontend_charge = functools.partial(self._frontend_charge, worker)

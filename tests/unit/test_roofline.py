@@ -10,6 +10,7 @@ from distserve.planner.profile import Profile, StepShape, chunk_attn_pairs
 from distserve.planner.roofline import (
     A100_80GB,
     LLAMA_13B,
+    OPT_13B,
     ModelShape,
     roofline_profile,
     roofline_profiles,
@@ -21,6 +22,13 @@ from distserve.planner.simulator import ClusterConfig, Request, WorkerSpec, simu
 def test_llama_13b_shape():
     assert LLAMA_13B.num_params == pytest.approx(13.0e9, rel=0.02)
     assert LLAMA_13B.kv_bytes_per_token == 2 * 40 * 5120 * 2
+
+
+def test_opt_13b_has_two_mlp_matrices():
+    """OPT's fc1 and fc2 at 4x hidden: ~12.9B parameters (13.1 here, its tied embedding counted twice)."""
+    assert OPT_13B.num_params == pytest.approx(13.1e9, rel=0.01)
+    three = dataclasses.replace(OPT_13B, mlp_matrices=3)
+    assert three.num_params - OPT_13B.num_params == 40 * 5120 * 20480
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -8,7 +8,7 @@ import pytest
 
 from distserve.planner.profile import Profile
 from distserve.planner.sim_metrics import Slo
-from distserve.planner.sim_workers import MAX_SKIPS, SimRequest, take_prefill_batch
+from distserve.planner.sim_workers import MAX_SKIPS, SimRequest, take_prefill_batch, take_whole_prompts
 from distserve.planner.simulator import ClusterConfig, Request, WorkerSpec, simulate
 
 
@@ -181,3 +181,25 @@ def test_front_end_cost_is_paid_per_streamed_token_only_when_no_core_of_the_node
             assert after.ttft_s == pytest.approx(before.ttft_s)  # prefill steps stream nothing
             # each of the output_len - 1 decode steps, one decoding row per worker
             assert after.tpot_s == pytest.approx(before.tpot_s + (frontend if charged else 0.0))
+
+def test_whole_prompts_are_taken_in_arrival_order_until_one_does_not_fit():
+    waiting = [SimRequest(i, 0.0, n, 5) for i, n in enumerate([300, 150, 100, 10])]
+    batch = take_whole_prompts(waiting, 500)
+    assert [(r.index, n) for r, n in batch] == [(0, 300), (1, 150)]  # 100 would overrun; 10 waits behind it
+    assert [r.index for r in waiting] == [2, 3]
+    lone = [SimRequest(9, 0.0, 900, 5)]
+    assert [(r.index, n) for r, n in take_whole_prompts(lone, 500)] == [(9, 900)]  # a long prompt runs alone
+
+
+def test_without_chunked_prefill_decode_rows_wait_for_a_whole_prompt():
+    """Unit costs per token: a decoding sequence stalls for the whole 100-token prefill step, where with
+    chunked prefill (budget 100) it rides on the same step."""
+    profile = toy_profile(coeffs=(0.0, 1.0, 0.0, 0.0), max_batch_tokens=100)
+    requests = [Request(0.0, 10, 4), Request(10.0, 100, 2)]
+    whole = simulate(fleet("colocated", profile=profile, chunked_prefill=False), requests).results
+    chunked = simulate(fleet("colocated", profile=profile), requests).results
+    # steps without chunking: prefill 10 (0-10), prefill 100 (10-110), then the first request's 3 decode
+    # rows share steps with the second's 1: 2 + 1 + 1 s. Chunked: 10, then 1 row + 100 tokens (10-111), ...
+    assert whole[1].ttft_s == pytest.approx(100.0) and chunked[1].ttft_s == pytest.approx(101.0)
+    assert whole[0].tpot_s == pytest.approx((110 - 10 + 2 + 1 + 1) / 3)
+    assert chunked[0].tpot_s == pytest.approx((101 + 2 + 1) / 3)
