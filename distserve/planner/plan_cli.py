@@ -22,7 +22,7 @@ from pathlib import Path
 
 from distserve.planner import plan_report
 from distserve.planner.fleet_spec import parse_workers
-from distserve.planner.goodput import POOL, RateSearch, Trace, Workload, run_config
+from distserve.planner.goodput import POOL, RateSearch, Trace, Workload, lone_latency, run_config
 from distserve.planner.placement import DeviceBudget, place
 from distserve.planner.profile import Profile
 from distserve.planner.roofline import HARDWARE, MODELS, roofline_profiles
@@ -160,13 +160,32 @@ def _plan(args: argparse.Namespace, profiles: list[Profile], budget: DeviceBudge
     print(f"{len(ranked)} fleets simulated in {time.monotonic() - started:.1f} s "
           f"(predictions from the simulator, not measurements)\n")
     print(plan_report.format_best(ranked[0], budget, args.rate, at_rate.get(0)))
+    best_by_family, misses = _family_misses(ranked, trace, slo, args.span_latencies)
+    print("\n" + plan_report.format_recommendation(best_by_family, misses, budget.unit))
     print("\n" + plan_report.format_table(shown, budget, args.rate, at_rate))
     if args.objective == "per-device":
         print(f"(per-{budget.unit} goodputs within {RateSearch.rel_tol:.0%} of the best are ties of the rate search; "
               "the larger goodput is listed first)")
     if args.json:
-        _write_json(args.json, _plan_json(args, profiles, budget, slo, ranked[:max(args.top, 1)], at_rate))
+        _write_json(args.json, _plan_json(args, profiles, budget, slo, ranked[:max(args.top, 1)], at_rate) | {
+            "recommendation": {family: {"fleet": r.candidate.fleet, "per_device_rps": r.per_device,
+                                        "misses_past_goodput": dict(zip(("ttft", "tpot"), misses[family]))}
+                               for family, r in best_by_family.items()}})
     return 0
+
+
+def _family_misses(ranked: list, trace: Trace, slo: Slo, span_latencies: float) -> tuple[dict, dict]:
+    """Each family's best fleet, and the SLO misses each has just past its own goodput (as many requests
+    as the goodput search's probes there)."""
+    best_by_family: dict = {}
+    for r in ranked:
+        best_by_family.setdefault(r.candidate.family, r)
+    misses = {}
+    for family, r in best_by_family.items():
+        config, rate = r.candidate.config, max(r.goodput.rate, 1e-3) * plan_report.PAST_KNEE
+        requests = trace.at_rate(rate, span_latencies * lone_latency(config, trace) if span_latencies else 0.0)
+        misses[family] = plan_report.misses_past_knee(simulate(config, requests).results, slo)
+    return best_by_family, misses
 
 
 def _plan_json(args, profiles, budget, slo, shown, at_rate) -> dict:

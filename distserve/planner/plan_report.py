@@ -64,6 +64,39 @@ def format_table(ranked: list[Ranked], budget: DeviceBudget, rate: float | None,
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
+FAMILY_ADVICE = {"disaggregated": "disaggregate", "colocated": "colocate", "mixed": "mix (prefill + decode + colocated)"}
+PAST_KNEE = 1.2  # where a fleet's misses are read: this many times its goodput
+
+
+def misses_past_knee(results, slo) -> tuple[float, float]:
+    """Shares of requests missing TTFT and TPOT (from simulate(...).results just past a fleet's goodput)."""
+    num = max(len(results), 1)
+    return (sum(r.ttft_s > slo.ttft_s for r in results) / num, sum(r.tpot_s > slo.tpot_s for r in results) / num)
+
+
+def _why(misses: tuple[float, float]) -> str:
+    ttft, tpot = misses
+    if ttft >= tpot:
+        return f"TTFT binds ({ttft:.0%} miss it, {tpot:.0%} TPOT): prompts queue for prefill"
+    return f"TPOT binds ({tpot:.0%} miss it, {ttft:.0%} TTFT): decode steps are slow or stalled by prompts"
+
+
+def format_recommendation(best_by_family: dict, misses: dict, unit: str) -> str:
+    """Which kind of fleet to run, each family's best with its predicted goodput per device, and why: the
+    SLO each one misses first past its goodput (`misses`: family -> misses_past_knee at PAST_KNEE x it)."""
+    ordered = sorted(best_by_family.items(), key=lambda item: -item[1].per_device)
+    (family, best), rest = ordered[0], ordered[1:]
+    lines = [f"Recommendation: {FAMILY_ADVICE[family]}: {best.candidate.fleet}, "
+             f"{best.per_device:.3g} req/s per {unit} predicted"]
+    for other_family, other in rest:
+        ratio = other.per_device / best.per_device if best.per_device else math.nan
+        lines.append(f"  instead: {FAMILY_ADVICE[other_family]}: {other.candidate.fleet}, {other.per_device:.3g} "
+                     f"per {unit} ({ratio:.2f}x)")
+    lines.append(f"  why, each just past its goodput ({PAST_KNEE:g}x):")
+    lines += [f"    {f}: {_why(misses[f])}" for f, _ in ordered if f in misses]
+    return "\n".join(lines)
+
+
 def format_simulation(fleet: str, summaries: dict[float, SimSummary]) -> str:
     lines = [f"Simulated fleet {fleet}:"]
     for rate, summary in summaries.items():

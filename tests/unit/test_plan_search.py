@@ -125,6 +125,14 @@ def test_cli_plans_and_writes_json(profile_path, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["best"]["fleet"] == data["candidates"][0]["fleet"] and len(data["candidates"]) == 3
     assert data["best"]["goodput_rps"] > 0
+    recommended = printed.split("Recommendation: ")[1].splitlines()
+    assert {"disaggregated", "colocated"} <= set(data["recommendation"])  # 2 cores: 1p1d and 2c at least
+    best_family = max(data["recommendation"], key=lambda f: data["recommendation"][f]["per_device_rps"])
+    assert recommended[0].startswith({"disaggregated": "disaggregate", "colocated": "colocate"}.get(best_family, "mix"))
+    for family, choice in data["recommendation"].items():
+        misses = choice["misses_past_goodput"]
+        assert 0 <= misses["ttft"] <= 1 and 0 <= misses["tpot"] <= 1 and max(misses.values()) > 0.1, family
+        assert any(line.strip().startswith(f"{family}: ") and "binds" in line for line in recommended)
 
 
 def test_cli_simulates_one_fleet(profile_path, capsys):
