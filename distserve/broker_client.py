@@ -4,10 +4,10 @@ releases that outlive cancellation.
 Replicas: `--broker-address` may name several kvbrokers, comma-separated. They keep no state of their
 own (handles live in Redis), so any of them serves any call. A call goes to the replica that answered
 last; when that one is unreachable (UNAVAILABLE: killed, restarting) or stalled (DEADLINE_EXCEEDED) the
-call moves on to the next, each replica tried once per call. The last replica tried waits for its
-connection within the deadline (gRPC's wait_for_ready) rather than failing fast: a kvbroker that was
-restarted a moment ago is back before the channel's reconnect backoff ends, and the call must not be
-refused for that. Moving a call that may have landed is safe:
+call moves on to the next, each replica tried once per call. The last replica tried, when its channel
+is not connected, waits for the connection (gRPC's wait_for_ready) for at most RECONNECT_WAIT_S rather
+than failing fast: a kvbroker restarted a moment ago is back before the channel's reconnect backoff
+ends, and the call must not be refused for that; one that stays down costs the call that long. Moving a call that may have landed is safe:
 a register that landed reads ALREADY_EXISTS on the next replica, which counts as done here, a claim
 repeated by its claimant returns the same handle (services.kvbroker.store), and a release is idempotent.
 """
@@ -25,11 +25,15 @@ from distserve.v1 import kvbroker_pb2, kvbroker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# A release that finds every kvbroker down is retried this long, with backoff: a lost release leaves the
-# handle's record, and the owner's KV, held until the claim lease runs out. Releasing is idempotent, so
-# a retry after a release that did land is harmless.
+# A release that finds every kvbroker down (or stalled) is retried, with backoff, until a wait would end
+# past this long; a try already started runs to its own deadline, so the whole may take up to a call's
+# timeout more. A lost release leaves the handle's record, and the owner's KV, held until the claim lease
+# runs out. Releasing is idempotent, so a retry after a release that did land is harmless.
 RELEASE_RETRY_S = 15.0
 RELEASE_BACKOFF_S = (0.1, 1.0)  # first wait, longest wait
+# How long a call's last try waits for a channel that is not connected: the channels' longest reconnect
+# backoff (2 s, distserve.grpc_server.CHANNEL_OPTIONS) and a connect.
+RECONNECT_WAIT_S = 2.5
 # Codes that say "this replica, not the request": the next replica gets the call.
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -47,6 +51,7 @@ class BrokerClient:
         """channels: one per kvbroker replica, in the order to try them."""
         if not channels:
             raise ValueError("BrokerClient needs at least one kvbroker channel")
+        self._channels = list(channels)
         self._stubs = [kvbroker_pb2_grpc.KvBrokerServiceStub(channel) for channel in channels]
         self._current = 0  # the replica that answered last
         self._timeout_s = timeout_s
@@ -66,8 +71,7 @@ class BrokerClient:
             index = (first + attempt) % len(self._stubs)
             last = attempt == len(self._stubs) - 1
             try:
-                reply = await getattr(self._stubs[index], method)(request, timeout=self._timeout_s,
-                                                                  wait_for_ready=last)
+                reply = await getattr(self._stubs[index], method)(request, **self._call_options(index, last))
             except grpc.aio.AioRpcError as exc:
                 if attempt and exc.code() in landed:
                     self._current = index
@@ -80,6 +84,12 @@ class BrokerClient:
             self._current = index
             return reply
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _call_options(self, index: int, last: bool) -> dict:
+        """The call's deadline, and whether it waits for the channel's connection (see the module docstring)."""
+        if last and self._channels[index].get_state() != grpc.ChannelConnectivity.READY:
+            return {"timeout": min(self._timeout_s, RECONNECT_WAIT_S), "wait_for_ready": True}
+        return {"timeout": self._timeout_s, "wait_for_ready": False}
 
     async def register(self, handle: kvbroker_pb2.KvHandle, lease_s: float) -> None:
         await self._call("RegisterHandle", kvbroker_pb2.RegisterHandleRequest(handle=handle, lease_s=lease_s),

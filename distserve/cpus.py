@@ -234,6 +234,44 @@ def _thread_ids() -> list[int]:
         return [0]
 
 
+def process_tree(pids: Iterable[int]) -> list[int]:
+    """These processes and all their descendants (from each process's parent in /proc/<pid>/stat)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])  # after "(comm)": state, ppid
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    tree, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.append(pid)
+            todo += children.get(pid, [])
+    return tree
+
+
+def threads_elsewhere(pids: Iterable[int], cpus: list[int]) -> bool:
+    """Whether a thread of these processes may run on a core outside `cpus` (gone ones are skipped)."""
+    wanted = set(cpus)
+    for pid in pids:
+        try:
+            thread_ids = [int(name) for name in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for thread_id in thread_ids:
+            try:
+                if os.sched_getaffinity(thread_id) != wanted:
+                    return True
+            except OSError:
+                pass
+    return False
+
+
 def move_threads(pids: Iterable[int], cpus: list[int]) -> None:
     """Sets every thread of each of these (other) processes to run on `cpus`; threads started later
     inherit their creator's cores. Processes and threads that are gone meanwhile are skipped."""

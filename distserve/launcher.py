@@ -60,7 +60,8 @@ from distserve.metrics import LauncherMetrics
 from distserve.control_placement import ControlPlacement
 from distserve.record_signing import KEY_ENV, KEY_FILE_ENV, RecordSigner, load_key, write_key_file
 from distserve import redis_acl
-from distserve.cpus import format_cpu_list, lower_priority, move_threads, parse_cpu_list, split_cores
+from distserve.cpus import (format_cpu_list, lower_priority, move_threads, parse_cpu_list, process_tree, split_cores,
+                            threads_elsewhere)
 from distserve.gpu_placement import GpuShare, parse_gpu_list, plan_gpus
 from distserve.dev_certs import role_tls
 from distserve.engine import cpu_kernels
@@ -78,6 +79,7 @@ PORT_ATTEMPTS = 3  # starts of a child whose auto-chosen port was taken, before 
 # (doubling): ~15 s in all before it is reported as taken.
 FIXED_PORT_ATTEMPTS = 5
 FIXED_PORT_FIRST_WAIT_S = 0.5
+PIN_PASSES = 5  # passes pinning the control plane after the start (see Cluster._pin_control_plane)
 # Every child is forked by this one thread, alive as long as the launcher: a child's parent-death signal
 # (see _die_with_launcher) fires when the thread that forked it ends, not only when the process does.
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distserve-spawner")
@@ -603,12 +605,18 @@ class Cluster:
         return process
 
     def _pin_control_plane(self) -> None:
-        """Ends the start's floating: the control plane's every thread back on its cores (twice, to catch
-        a thread started during the first pass)."""
+        """Ends the start's floating: every thread of the control plane's processes, and of the processes
+        they started meanwhile, back on its cores; again while a pass finds one that a thread started
+        during the last pass left elsewhere."""
         self._starting = False
         pids = [process.popen.pid for process in self.processes.values() if process.cpus is not None]
-        for _ in range(2):
-            move_threads(pids, self.control_cpus)
+        for _ in range(PIN_PASSES):
+            tree = process_tree(pids)
+            if not threads_elsewhere(tree, self.control_cpus):
+                return
+            move_threads(tree, self.control_cpus)
+        log.warning("control plane: threads still start outside cores %s after %d passes", self.control_cpus,
+                    PIN_PASSES)
 
     def respawn(self, process: ManagedProcess) -> None:
         """Starts a dead child again with its argv, environment and ports; its log is appended to."""

@@ -20,8 +20,8 @@ uv=(.venv/bin/uv pip --quiet)
 # Bytecode for every installed module and ours, now: where PYTHONDONTWRITEBYTECODE is set (as on our CI
 # machines) Python never writes it, and each process would compile transformers and torch again (a
 # tokenizer load 7 s instead of 3; every service start pays it). Idempotent; ~30 s the first time.
-"$py" -m compileall -q -j0 -x '/torch/testing/' .venv/lib/python3*/site-packages distserve services >/dev/null \
-  || echo "warning: some modules did not compile to bytecode; their processes start slower" >&2
+"$py" -m compileall -q -j0 -x '/torch/testing/' .venv/lib/python3*/site-packages distserve services \
+  || echo "warning: the modules above did not compile to bytecode; their processes start slower" >&2
 # Build the CPU kernels now (cached per machine) so no worker start waits ~30 s for the compiler.
 "$py" -m distserve.engine.cpu_kernels || echo "warning: no C++ compiler; decode uses the slower torch path"
 echo "setup done: .venv/bin/distserve is ready"

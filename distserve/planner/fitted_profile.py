@@ -9,7 +9,9 @@ base/worker.py) times a step, in milliseconds, from least-squares fits on A100s:
 
 with the decode coefficients switching from a small- to a large-batch fit at B = 95. `FittedProfile`
 is that model in our Profile's terms: sum(l_i^2) is twice the causal pairs whole prompts attend
-(`chunk_attn_pairs`) less their tokens. A mixed (chunked-prefill) step, which the paper's model never times, is costed
+(`chunk_attn_pairs`) less their tokens, exact for whole prompts; a later chunk (n tokens at p) is charged
+2np + 2n^2 - n where its share of the whole prompt's square is 2np + n^2, so chunked prefill pays up to
+~25% more on that term than the paper's model would (a few % of a step). A mixed (chunked-prefill) step, which the paper's model never times, is costed
 as its prefill part plus the decode part's per-token and per-sequence terms (one step constant): an
 assumption of ours, stated wherever it is used.
 """

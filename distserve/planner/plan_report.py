@@ -76,6 +76,8 @@ def misses_past_knee(results, slo) -> tuple[float, float]:
 
 def _why(misses: tuple[float, float]) -> str:
     ttft, tpot = misses
+    if not ttft and not tpot:
+        return "misses neither target there (its goodput is the search's upper bound)"
     if ttft >= tpot:
         return f"TTFT binds ({ttft:.0%} miss it, {tpot:.0%} TPOT): prompts queue for prefill"
     return f"TPOT binds ({tpot:.0%} miss it, {ttft:.0%} TTFT): decode steps are slow or stalled by prompts"
@@ -83,15 +85,16 @@ def _why(misses: tuple[float, float]) -> str:
 
 def format_recommendation(best_by_family: dict, misses: dict, unit: str) -> str:
     """Which kind of fleet to run, each family's best with its predicted goodput per device, and why: the
-    SLO each one misses first past its goodput (`misses`: family -> misses_past_knee at PAST_KNEE x it)."""
-    ordered = sorted(best_by_family.items(), key=lambda item: -item[1].per_device)
+    SLO each one misses first past its goodput. `best_by_family`: family -> its best Ranked, in the
+    search's order (its objective: the first is the best); `misses`: family -> misses_past_knee."""
+    ordered = list(best_by_family.items())
     (family, best), rest = ordered[0], ordered[1:]
     lines = [f"Recommendation: {FAMILY_ADVICE[family]}: {best.candidate.fleet}, "
-             f"{best.per_device:.3g} req/s per {unit} predicted"]
+             f"{best.goodput.rate:.3g} req/s ({best.per_device:.3g} per {unit}) predicted"]
     for other_family, other in rest:
-        ratio = other.per_device / best.per_device if best.per_device else math.nan
-        lines.append(f"  instead: {FAMILY_ADVICE[other_family]}: {other.candidate.fleet}, {other.per_device:.3g} "
-                     f"per {unit} ({ratio:.2f}x)")
+        ratio = f" ({other.per_device / best.per_device:.2f}x per {unit})" if best.per_device else ""
+        lines.append(f"  instead: {FAMILY_ADVICE[other_family]}: {other.candidate.fleet}, {other.goodput.rate:.3g} "
+                     f"req/s ({other.per_device:.3g} per {unit}){ratio}")
     lines.append(f"  why, each just past its goodput ({PAST_KNEE:g}x):")
     lines += [f"    {f}: {_why(misses[f])}" for f, _ in ordered if f in misses]
     return "\n".join(lines)

@@ -142,8 +142,9 @@ class ColocatedSim:
             self._running.add(self._waiting.popleft())
         if self.chunked_prefill:  # decoding rows go first and ride on top of the prompts' budget (ColocatedEngine.run)
             chunks, decodes = take_prefill_batch(self._prompts, self.max_batch_tokens), True
-        else:  # a prefill-only step while prompts wait, else a decode-only one
-            chunks = take_whole_prompts(self._prompts, self.max_batch_tokens)
+        else:  # a prefill-only step while prompts wait and sequences may join, else a decode-only one
+            room = self.max_running - self._running.size - len(self._waiting)
+            chunks = take_whole_prompts(self._prompts, self.max_batch_tokens, room) if room > 0 else []
             decodes = not chunks
         num_decode = self._running.size if decodes else 0
         self._is_busy = bool(chunks) or num_decode > 0

@@ -105,13 +105,14 @@ def take_prefill_batch(waiting: list[SimRequest], budget: int) -> list[tuple[Sim
     return batch
 
 
-def take_whole_prompts(waiting: list[SimRequest], budget: int) -> list[tuple[SimRequest, int]]:
+def take_whole_prompts(waiting: list[SimRequest], budget: int, max_prompts: int) -> list[tuple[SimRequest, int]]:
     """A prefill-only step without chunking, as vLLM before chunked prefill and DistServe's own simulator
     schedule it (simdistserve/base/worker.py `_enter_prefill`): whole prompts in arrival order while they
-    fit `budget`, stopping at the first that does not; the first is taken whatever its length."""
+    fit `budget`, at most `max_prompts` (the sequences that may still join), stopping at the first that
+    does not fit; the first is taken whatever its length."""
     batch: list[tuple[SimRequest, int]] = []
     for req in waiting:
-        if batch and req.num_remaining > budget:
+        if len(batch) == max_prompts or (batch and req.num_remaining > budget):
             break
         batch.append((req, req.num_remaining))
         budget -= req.num_remaining

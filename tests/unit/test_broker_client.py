@@ -48,14 +48,20 @@ class FakeBrokerStub:
 
 
 class UnusedChannel:
-    """Enough of a channel for the real stubs to be built; the fakes replace them."""
+    """Enough of a channel for the real stubs to be built (the fakes replace them), in a connectivity state."""
+
+    def __init__(self, state: grpc.ChannelConnectivity = grpc.ChannelConnectivity.READY):
+        self.state = state
 
     def unary_unary(self, *args, **kwargs):
         return None
 
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.state
 
-def client_with(*stubs: FakeBrokerStub) -> BrokerClient:
-    client = BrokerClient([UnusedChannel()] * len(stubs), timeout_s=1.0)
+
+def client_with(*stubs: FakeBrokerStub, state: grpc.ChannelConnectivity = grpc.ChannelConnectivity.READY) -> BrokerClient:
+    client = BrokerClient([UnusedChannel(state) for _ in stubs], timeout_s=1.0)
     client._stubs = list(stubs)
     return client
 
@@ -123,12 +129,16 @@ async def test_with_every_replica_down_the_last_ones_error_is_raised():
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-async def test_only_the_last_replica_tried_waits_for_its_connection():
-    """Earlier replicas fail fast so the call moves on; the last one waits (within the deadline) for a
-    kvbroker that is coming back."""
+async def test_only_the_last_replica_tried_waits_for_its_connection_and_only_while_unconnected():
+    """Earlier replicas fail fast so the call moves on; the last one waits for a kvbroker that is coming
+    back, and a connected one is called as usual."""
     first, last = FakeBrokerStub([grpc.StatusCode.UNAVAILABLE]), FakeBrokerStub()
-    await client_with(first, last).register(kvbroker_pb2.KvHandle(handle_id="h1"), lease_s=5)
+    await client_with(first, last, state=grpc.ChannelConnectivity.TRANSIENT_FAILURE).register(
+        kvbroker_pb2.KvHandle(handle_id="h1"), lease_s=5)
     assert first.waited_for_ready == [False] and last.waited_for_ready == [True]
+    connected = FakeBrokerStub()
+    await client_with(connected).register(kvbroker_pb2.KvHandle(handle_id="h1"), lease_s=5)
+    assert connected.waited_for_ready == [False]
 
 
 class Broker(kvbroker_pb2_grpc.KvBrokerServiceServicer):
@@ -150,14 +160,15 @@ async def test_a_kvbroker_restarted_a_moment_ago_is_called_not_refused():
     port = free_port()
     server = await serve_broker(port)
     channel = aio_channel(f"127.0.0.1:{port}", PLAINTEXT)
-    client = BrokerClient([channel], timeout_s=0.5)
+    client = BrokerClient([channel], timeout_s=5.0)
     try:
         await client.register(kvbroker_pb2.KvHandle(handle_id="h1"), lease_s=5)
         await server.stop(grace=None)
-        with pytest.raises(grpc.aio.AioRpcError):
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(grpc.aio.AioRpcError):  # down: refused after the reconnect wait, not the deadline
             await client.register(kvbroker_pb2.KvHandle(handle_id="h2"), lease_s=5)
+        assert asyncio.get_running_loop().time() - started < broker_client.RECONNECT_WAIT_S + 1.0
         server = await serve_broker(port)
-        client._timeout_s = 5.0  # the channel's longest backoff (2 s) fits
         await client.register(kvbroker_pb2.KvHandle(handle_id="h3"), lease_s=5)
     finally:
         await channel.close()

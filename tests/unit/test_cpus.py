@@ -6,9 +6,11 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch
 from distserve import cpus as cpus_module
 from distserve.config import ConfigError, parse_config
 from distserve.cpus import (AUTOGROUP_PATH, apply_cpus, bind_openmp_team, format_cpu_list, parse_cpu_list, pin_process,
-                            session_group_nice, split_cores)
+                            process_tree, session_group_nice, split_cores)
 from distserve.engine.compute_thread import ComputeThread
 from distserve.launcher import (LENT_CORES_NICE, Cluster, ClusterSpec, plan_control_cpus, plan_nice,
                                plan_worker_cpus)
@@ -190,20 +192,31 @@ def test_control_plane_children_float_while_starting_then_run_on_the_control_cpu
     cluster = Cluster(ClusterSpec(model="m", num_prefill=1, num_decode=1, control_cpus=str(core),
                                   log_dir=str(tmp_path)))
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    router, prefill = cluster._spawn("router", sleeper), cluster._spawn("prefill-0", sleeper)
+    # a router that starts a process of its own while floating (as its grammar worker): pinned too
+    parent = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+              "'import time; time.sleep(60)']); time.sleep(60)"]
+    router, prefill = cluster._spawn("router", parent), cluster._spawn("prefill-0", sleeper)
     try:
         assert os.sched_getaffinity(router.popen.pid) == allowed
+        deadline = time.monotonic() + 10
+        while len(process_tree([router.popen.pid])) < 2:
+            assert time.monotonic() < deadline, "the router's child did not start"
+            time.sleep(0.05)
+        child = process_tree([router.popen.pid])[1]
+        assert os.sched_getaffinity(child) == allowed
         cluster._pin_control_plane()
-        assert os.sched_getaffinity(router.popen.pid) == {core}
+        assert os.sched_getaffinity(router.popen.pid) == {core} and os.sched_getaffinity(child) == {core}
         assert os.sched_getaffinity(prefill.popen.pid) == allowed
         router.popen.kill()
         router.popen.wait()
         cluster.respawn(router)  # as the supervisor restarts it
         assert os.sched_getaffinity(router.popen.pid) == {core}
     finally:
-        for child in (router, prefill):
-            child.popen.kill()
-            child.popen.wait()
+        for pid in process_tree([router.popen.pid])[1:]:
+            os.kill(pid, signal.SIGKILL)
+        for process in (router, prefill):
+            process.popen.kill()
+            process.popen.wait()
 
 
 def test_control_cpus_default_to_unpinned_and_must_exist():

@@ -184,11 +184,21 @@ def test_front_end_cost_is_paid_per_streamed_token_only_when_no_core_of_the_node
 
 def test_whole_prompts_are_taken_in_arrival_order_until_one_does_not_fit():
     waiting = [SimRequest(i, 0.0, n, 5) for i, n in enumerate([300, 150, 100, 10])]
-    batch = take_whole_prompts(waiting, 500)
+    batch = take_whole_prompts(waiting, 500, max_prompts=10)
     assert [(r.index, n) for r, n in batch] == [(0, 300), (1, 150)]  # 100 would overrun; 10 waits behind it
     assert [r.index for r in waiting] == [2, 3]
+    assert [r.index for r, _ in take_whole_prompts(waiting, 500, max_prompts=1)] == [2]
     lone = [SimRequest(9, 0.0, 900, 5)]
-    assert [(r.index, n) for r, n in take_whole_prompts(lone, 500)] == [(9, 900)]  # a long prompt runs alone
+    assert [(r.index, n) for r, n in take_whole_prompts(lone, 500, 10)] == [(9, 900)]  # a long prompt runs alone
+
+
+def test_without_chunked_prefill_no_more_prompts_are_prefilled_than_may_decode():
+    """max_running 1: the second prompt waits for the first sequence to finish, as vLLM's max_num_seqs."""
+    profile = toy_profile(coeffs=(0.0, 1.0, 0.0, 0.0), max_batch_tokens=100)
+    requests = [Request(0.0, 10, 3), Request(0.0, 20, 2)]
+    results = simulate(fleet("colocated", profile=profile, chunked_prefill=False, max_running=1), requests).results
+    # prefill 10 (0-10), two decode steps of one row (10-12), then the second prompt's 20 (12-32)
+    assert results[0].ttft_s == pytest.approx(10.0) and results[1].ttft_s == pytest.approx(32.0)
 
 
 def test_without_chunked_prefill_decode_rows_wait_for_a_whole_prompt():
