@@ -609,6 +609,8 @@ class Cluster:
         they started meanwhile, back on its cores; again while a pass finds one that a thread started
         during the last pass left elsewhere."""
         self._starting = False
+        if self.control_cpus is None:  # not pinned (colocated workers only, or --control-cpus any)
+            return
         pids = [process.popen.pid for process in self.processes.values() if process.cpus is not None]
         for _ in range(PIN_PASSES):
             tree = process_tree(pids)

@@ -62,15 +62,7 @@ class RequestRecord:
     def meets(self, slo_ttft_s: float, slo_tpot_s: float, slo_itl_p99_s: float | None = None,
               slo_stall_s: float | None = None) -> bool:
         """The SLOs in the module docstring; an ITL or stall SLO of None is not checked."""
-        if not self.ok or self.ttft_s is None or self.ttft_s > slo_ttft_s:
-            return False
-        tpot = self.tpot_s
-        if tpot is not None and tpot > slo_tpot_s:
-            return False
-        for limit, value in ((slo_itl_p99_s, self.itl_p99_s), (slo_stall_s, self.max_stall_s)):
-            if limit is not None and value is not None and value > limit:
-                return False
-        return True
+        return meets(self.to_json(), slo_ttft_s, slo_tpot_s, slo_itl_p99_s, slo_stall_s)
 
     def to_json(self) -> dict[str, Any]:
         return {"arrival_s": self.arrival_s, "input_len": self.input_len, "output_len": self.output_len,
@@ -140,6 +132,20 @@ def rate_to_json(rate: float) -> float | str:
 
 def rate_from_json(value: float | str) -> float:
     return float(value)  # float("inf") parses the "inf" string
+
+
+def meets(record: dict[str, Any], slo_ttft_s: float, slo_tpot_s: float, slo_itl_p99_s: float | None = None,
+          slo_stall_s: float | None = None) -> bool:
+    """Whether one request (RequestRecord.to_json, as results.json keeps it) met the SLOs in the module
+    docstring; an ITL or stall SLO of None is not checked. Offline readers re-judge runs with it."""
+    if not record["ok"] or record["ttft_s"] is None or record["ttft_s"] > slo_ttft_s:
+        return False
+    if record["tpot_s"] is not None and record["tpot_s"] > slo_tpot_s:
+        return False
+    for limit, value in ((slo_itl_p99_s, record.get("itl_p99_s")), (slo_stall_s, record.get("max_stall_s"))):
+        if limit is not None and value is not None and value > limit:
+            return False
+    return True
 
 
 def summarize_rate(rate: float, duration_s: float, records: Sequence[RequestRecord], slo_ttft_s: float,

@@ -219,6 +219,18 @@ def test_control_plane_children_float_while_starting_then_run_on_the_control_cpu
             process.popen.wait()
 
 
+def test_an_unpinned_control_plane_is_left_unpinned_when_the_start_ends(tmp_path):
+    cluster = Cluster(ClusterSpec(model="m", num_prefill=0, num_decode=0, num_colocated=2, log_dir=str(tmp_path)))
+    assert cluster.control_cpus is None
+    router = cluster._spawn("router", [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cluster._pin_control_plane()
+        assert os.sched_getaffinity(router.popen.pid) == os.sched_getaffinity(0)
+    finally:
+        router.popen.kill()
+        router.popen.wait()
+
+
 def test_control_cpus_default_to_unpinned_and_must_exist():
     assert plan_control_cpus(ClusterSpec(model="m")) is None
     missing = max(os.sched_getaffinity(0)) + 1
