@@ -61,8 +61,11 @@ def judge_cell(cell: Path) -> dict:
     for label, ttft, tpot, stall in TARGETS:
         each = {name: repeat_goodputs(results, ttft, tpot, stall) for name, results in fleets.items()}
         median = {name: statistics.median(values) for name, values in each.items()}
-        winner = max(median, key=median.get)
-        decisive = all(min(each[winner]) > max(values) for name, values in each.items() if name != winner)
+        best = max(median.values())
+        leaders = [name for name, value in median.items() if value == best]
+        winner = leaders[0] if len(leaders) == 1 else None  # a tie (often all at the highest rate: bounds)
+        decisive = winner is not None and all(min(each[winner]) > max(values) for name, values in each.items()
+                                              if name != winner)
         split = max((median[n] for n in DISAGGREGATED if n in median), default=0.0)
         base = median.get(BASELINE, 0.0)
         rows.append({"targets": label, "ttft_ms": ttft, "tpot_ms": tpot, "stall_ms": stall, "goodput": each,
@@ -74,9 +77,10 @@ def judge_cell(cell: Path) -> dict:
 
 def markdown(cells: list[dict]) -> str:
     lines = ["# SLO map: goodput per fleet and target set, measured on this box", "",
-             "Goodput in req/s at 90% attainment, median of the repeats (lowest-highest). Winner in bold, "
-             "`!` when decisive (its lowest repeat beats every other fleet's highest). Last column: the best "
-             "disaggregated fleet (1p1d, with or without spilling) over 2 colocated workers.", ""]
+             "Goodput in req/s at 90% attainment, median of the repeats (lowest-highest). Winner in bold (none on "
+             "a tie), `!` when decisive (its lowest repeat beats every other fleet's highest). A fleet that met "
+             "every rate scores the highest rate: a lower bound. Last column: the best disaggregated fleet (1p1d, "
+             "with or without spilling) over 2 colocated workers.", ""]
     for cell in cells:
         lines += [f"## {cell['cell']}: prompts {cell['input_len']}, outputs {cell['output_len']}", "",
                   "| targets | " + " | ".join(cell["fleets"]) + " | disagg / 2c |",
@@ -108,14 +112,15 @@ def chart(cells: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.3 * len(TARGETS) + 2, 0.9 * len(cells) + 1.8))
     for y, cell in enumerate(cells):
         for x, row in enumerate(cell["rows"]):
-            ax.add_patch(plt.Rectangle((x, y), 1, 1, color=colours[row["winner"]], alpha=0.9 if row["decisive"] else 0.4))
+            colour = colours[row["winner"]] if row["winner"] else "lightgrey"
+            ax.add_patch(plt.Rectangle((x, y), 1, 1, color=colour, alpha=0.9 if row["decisive"] else 0.4))
             ratio = row["disaggregated_over_2c"]
             ax.text(x + 0.5, y + 0.5, "-" if ratio is None else f"{ratio:.2f}x", ha="center", va="center", fontsize=8)
     ax.set_xlim(0, len(TARGETS))
     ax.set_ylim(0, len(cells))
     ax.set_xticks([i + 0.5 for i in range(len(TARGETS))], [label for label, *_ in TARGETS], rotation=30, ha="right")
     ax.set_yticks([i + 0.5 for i in range(len(cells))], [f"{c['input_len']}/{c['output_len']}" for c in cells])
-    ax.set_title("Winner per cell (colour; faint: spreads overlap), text: best 1p1d / 2c")
+    ax.set_title("Winner per cell (colour; faint: spreads overlap; grey: a tie), text: best 1p1d / 2c")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names], labels=names,
               loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(names), fontsize=8)
     fig.tight_layout()

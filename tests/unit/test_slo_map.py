@@ -22,14 +22,16 @@ def results(per_rate: dict[float, list[list[dict]]]) -> dict:
                       for rate, repeats in per_rate.items()]}
 
 
-FAST, STALLED, SLOW_FIRST = request(0.1, 0.02, 0.03), request(0.1, 0.02, 0.5), request(3.0, 0.02, 0.03)
+FAST, STALLED = request(0.1, 0.02, 0.03), request(0.1, 0.02, 0.5)
+SLOW_FIRST, LATE_FIRST = request(5.0, 0.02, 0.03), request(3.0, 0.02, 0.03)
 
 
 def test_each_repeat_is_judged_on_its_own_requests_against_the_targets_given():
     run = results({1.0: [[FAST] * 10, [FAST] * 10], 2.0: [[FAST] * 10, [FAST] * 8 + [SLOW_FIRST] * 2]})
     # repeat 1 meets at both rates (a lower bound: 2.0); repeat 2 drops to 80% at 2.0: 1 + (1 - .9) / (1 - .8)
     assert repeat_goodputs(run, 4000, 100, None) == pytest.approx([2.0, 1.5])
-    assert repeat_goodputs(run, 4000, 100, None) != repeat_goodputs(run, 1000, 100, None)
+    late = results({1.0: [[LATE_FIRST] * 10], 2.0: [[LATE_FIRST] * 10]})
+    assert repeat_goodputs(late, 4000, 100, None) == [2.0] and repeat_goodputs(late, 1000, 100, None) == [0.0]
     stalls = results({1.0: [[FAST] * 9 + [STALLED]], 2.0: [[STALLED] * 10]})
     assert repeat_goodputs(stalls, 4000, 100, None) == [2.0]
     assert repeat_goodputs(stalls, 4000, 100, 150) == [pytest.approx(1.0)]  # 90% at 1.0, 0% at 2.0
@@ -47,4 +49,4 @@ def test_a_cell_names_its_winner_and_says_whether_the_spreads_part(tmp_path):
     assert stall["winner"] == "1p1d-nospill" and stall["decisive"]
     assert stall["disaggregated_over_2c"] == pytest.approx(2.0 / 1.1)  # 2c: 100% at 1, 0% at 2: 1 + 0.1
     loose = rows["loose"]  # no stall target: both meet everything, a tie
-    assert loose["median"] == {"1p1d-nospill": 2.0, "2c": 2.0} and not loose["decisive"]
+    assert loose["median"] == {"1p1d-nospill": 2.0, "2c": 2.0} and loose["winner"] is None and not loose["decisive"]
