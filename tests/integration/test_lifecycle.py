@@ -67,9 +67,11 @@ def test_streams_still_running_when_the_drain_ends_move_to_another_worker(cluste
     """SIGTERM with a short grace (--grace-s): what has not finished when it ends moves to another decode
     worker (migration) with unchanged output, and the drained worker exits 0."""
     port = free_port()
-    args = ["--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5", "--kv-cache-mb", "128", "--grace-s", "1",
-            "--drain-s", "0.5"]
-    prompt, max_tokens = [40, 41, 42], 1500
+    # The stream must outlive drain + grace by a wide margin on any machine: 2,000 tokens take the tiny model
+    # about a second here (0.5 ms a step), and a machine twice as fast still needs 0.5 s against 0.2 s.
+    args = ["--lease-s", str(WORKER_LEASE_S), "--heartbeat-s", "0.5", "--kv-cache-mb", "128", "--grace-s", "0.1",
+            "--drain-s", "0.1"]
+    prompt, max_tokens = [40, 41, 42], 2000
     with DistServeSyncClient(cluster.router_address, timeout_s=300) as client:
         unfailed = [t for c in client.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
                     for t in c.token_ids]
