@@ -12,7 +12,8 @@ What each role touches (the keys are distserve.registry's and services.kvbroker.
   an expiry) and its index entry in `distserve:workers:<role>` (ZADD), in MULTI/EXEC with TIME, and
   deletes both on exit (DEL, ZREM); with spilling, prefill and decode workers publish a colocated record too;
 - a decode worker lists prefill workers (TIME, ZREMRANGEBYSCORE and ZRANGE on the index, MGET of records);
-- a prefill worker subscribes to its release channel `distserve:kv-release:<worker_id>`;
+- a prefill worker subscribes to its release channel `distserve:kv-release:<worker_id>`, and lists decode and
+  colocated workers (the hosts its UCX listener admits: distserve.transfer.kv_peers);
 - the kvbroker keeps KV handles `distserve:kv:<id>` (Lua scripts: EXISTS, HSET, PEXPIRE, HGET; HGET and DEL
   in MULTI/EXEC) and publishes on release channels;
 - routers and gateways list every role's workers; routers also set `distserve:spilling` and the registry's
@@ -72,8 +73,12 @@ def role_access(spill: bool = False) -> dict[str, RoleAccess]:
         "kvbroker": RoleAccess(_BASE_COMMANDS + ("evalsha", "script|load", "exists", "hset", "hget", "pexpire", "del",
                                                  "multi", "exec", "discard", "publish"),
                                ("distserve:kv:*",), channels=(RELEASE_CHANNELS,)),
-        "prefill": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS + ("xadd", "subscribe", "unsubscribe"),
-                              _records("prefill") + spilled + (PREFIX_EVENTS,), channels=(RELEASE_CHANNELS,)),
+        "prefill": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS + _LIST_COMMANDS[1:] + ("xadd", "subscribe",
+                                                                                         "unsubscribe"),
+                              _records("prefill") + spilled + (PREFIX_EVENTS, "distserve:workers:decode",
+                                                               "distserve:workers:colocated"),
+                              ("distserve:worker:decode:*", "distserve:worker:colocated:*"),
+                              channels=(RELEASE_CHANNELS,)),
         "decode": RoleAccess(_BASE_COMMANDS + _PUBLISH_COMMANDS + _LIST_COMMANDS[1:] + ("xadd",),
                              _records("decode") + spilled + ("distserve:workers:prefill", PREFIX_EVENTS),
                              ("distserve:worker:prefill:*",)),

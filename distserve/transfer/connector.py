@@ -161,14 +161,16 @@ class LocalConsumer:
 CONNECTORS = ("ucx", "local")
 
 
-def make_producer(kind: str, lookup: Lookup, on_sent: OnSent, authorize: Authorize | None = None) -> KvProducer:
-    """The producer role of connector `kind` (one of CONNECTORS)."""
+def make_producer(kind: str, lookup: Lookup, on_sent: OnSent, authorize: Authorize | None = None,
+                  admit_peer=None) -> KvProducer:
+    """The producer role of connector `kind` (one of CONNECTORS). admit_peer: which connections a network
+    connector serves (ucx_transfer.KvSender's; None: all); the local one has no network."""
     if kind == "local":
         return LocalProducer(lookup, on_sent, authorize)
     if kind == "ucx":
         from distserve.transfer.ucx_transfer import KvSender
 
-        return KvSender(lookup, on_sent, authorize)
+        return KvSender(lookup, on_sent, authorize, admit_peer=admit_peer)
     raise ValueError(f"kv_connector: {kind!r} is not one of {CONNECTORS}")
 
 

@@ -21,8 +21,9 @@ A sender serves at most MAX_SERVED_ENDPOINTS endpoints and aborts a new one beyo
 endpoint must send its first header within FIRST_HEADER_TIMEOUT_S (a pooled one may idle between pulls).
 
 Binding: ucxx 0.52's listener takes a port only and binds every interface (0.0.0.0; ucxx's C++
-Listener passes a NULL host to getaddrinfo). So pulls are authorized by the per-request secret, not by
-address; restrict the port with a firewall where other hosts must not reach it.
+Listener passes a NULL host to getaddrinfo). A sender given a peer policy (distserve.transfer.kv_peers)
+refuses, before reading a byte, connections that arrived on another address than the advertised one or
+that come from no registered puller; each pull is then authorized by its per-request secret.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Callable
+from typing import Awaitable, Callable
 
 import numpy as np
 import torch
@@ -43,8 +44,11 @@ from distserve import tracing
 from distserve.transfer.checksum import ChunkChecksums, byte_view, pulled_intact
 from distserve.transfer.connector import (Authorize, ChecksumMismatch, PullRefused, TransferCounters,
                                           TransferError)
+from distserve.transfer.ucx_addresses import EndpointAddresses, endpoint_addresses
 
 log = logging.getLogger(__name__)
+
+AdmitPeer = Callable[[EndpointAddresses | None], Awaitable[str | None]]
 
 HEADER_BYTES = 512
 NOT_HELD, REFUSED = -1, -2
@@ -152,10 +156,12 @@ class KvSender:
 
     def __init__(self, lookup: Callable[[str], torch.Tensor | None], on_sent: Callable[[str, int, float], None],
                  authorize: Authorize | None = None, max_endpoints: int = MAX_SERVED_ENDPOINTS,
-                 first_header_timeout_s: float = FIRST_HEADER_TIMEOUT_S) -> None:
+                 first_header_timeout_s: float = FIRST_HEADER_TIMEOUT_S, admit_peer: AdmitPeer | None = None) -> None:
         """lookup(handle_id) gives the buffer to send; authorize(handle_id, secret) admits a puller (None:
         all); on_sent(handle_id, bytes, seconds) follows the puller's ACK_RECEIVED. At most max_endpoints
-        are served at once; a new one that sends no header in first_header_timeout_s is closed."""
+        are served at once; a new one that sends no header in first_header_timeout_s is closed.
+        admit_peer(addresses) -> None or why a new connection is refused (KvPeerPolicy.admits; None: all)."""
+        self._admit_peer = admit_peer
         self._max_endpoints = max_endpoints
         self._first_header_timeout_s = first_header_timeout_s
         self._lookup = lookup
@@ -183,12 +189,17 @@ class KvSender:
             log.warning("kv sender: %d endpoints served already; a new one is turned away", self._num_endpoints)
             ep.abort()
             return
-        self._num_endpoints += 1
+        self._num_endpoints += 1  # counted while the peer is checked, so a flood stays bounded there too
         header = np.empty(HEADER_BYTES, dtype=np.uint8)
         # A pull's bytes when they are a copy (a partial pull): kept alive here until the endpoint is
         # aborted, since a send cancelled with its coroutine may still be posted from them.
         sending: list[np.ndarray] = []
         try:
+            if self._admit_peer is not None and (refused := await self._admit_peer(
+                    endpoint_addresses(ep.ucp_endpoint))) is not None:
+                self.num_turned_away += 1
+                log.warning("kv sender: a connection is refused: %s", refused)
+                return
             try:
                 await asyncio.wait_for(ep.recv(header), self._first_header_timeout_s)
             except TimeoutError:
@@ -290,7 +301,7 @@ class KvReceiver:
     async def connect(self, address: str) -> None:
         """Opens an endpoint to a peer ahead of its first transfer (set-up costs ~0.3 s), if none is open."""
         peer = self._peers.setdefault(address, _Peer())
-        if peer.idle or peer.num_busy:
+        if address in self.peers:
             return
         try:
             await asyncio.wait_for(asyncio.shield(self._connecting(address, peer)), CONNECT_TIMEOUT_S)
@@ -299,8 +310,9 @@ class KvReceiver:
 
     @property
     def peers(self) -> set[str]:
-        """Addresses with an open endpoint."""
-        return {address for address, peer in self._peers.items() if peer.idle or peer.num_busy}
+        """Addresses with an open endpoint (one the peer closed, say refusing it, is not open)."""
+        return {address for address, peer in self._peers.items()
+                if peer.num_busy or any(not ep.closed for ep in peer.idle)}
 
     async def _pull_verified(self, address: str, handle_id: str, header: np.ndarray, out: torch.Tensor,
                              crc32c: int | ChunkChecksums | None, from_token: int) -> None:

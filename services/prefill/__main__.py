@@ -26,6 +26,7 @@ from distserve.metrics import PrefillMetrics, serve_metrics, watch_prefix_cache
 from distserve.tracing import init_tracing, shutdown_tracing
 from distserve.worker_lifecycle import serve_worker
 from distserve.registry import WorkerRecord, WorkerRegistry
+from distserve.transfer.kv_peers import PEER_ROLES, KvPeerPolicy, host_of
 from distserve.transfer import connector
 from distserve.prefix_events import attach_prefix_events
 from distserve.v1 import prefill_pb2_grpc
@@ -61,6 +62,17 @@ async def follow_releases(redis: aioredis.Redis, worker_id: str, held: HeldKv) -
             await asyncio.sleep(1.0)
 
 
+async def kv_peer_policy(config: PrefillConfig, registry: WorkerRegistry) -> KvPeerPolicy | None:
+    """Who may connect to pull KV (config.kv_peers): None when anyone may."""
+    if config.kv_peers == "any":
+        return None
+
+    async def list_peer_hosts() -> set[str]:
+        return {host_of(record.address) for role in PEER_ROLES for record in await registry.list(role)}
+
+    return await KvPeerPolicy.for_worker(config.advertise_host, list_peer_hosts)
+
+
 async def serve(config: PrefillConfig) -> None:
     path = resolve_model_path(config.model)
     model = load_engine_model(path, config.dtype, config.device)
@@ -84,10 +96,11 @@ async def serve(config: PrefillConfig) -> None:
         metrics.kv_transfer_bytes.inc(num_bytes)
         metrics.kv_transfer_time.observe(seconds)
 
-    sender = connector.make_producer("ucx", held.lookup, on_sent, held.admits)
-    ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
     redis = redis_client.connect(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
+    peers = await kv_peer_policy(config, registry)
+    sender = connector.make_producer("ucx", held.lookup, on_sent, held.admits, peers and peers.admits)
+    ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
     channels = ChannelPool(config)
     servicer = PrefillServicer(config, spec, config.dtype, batcher, held, sender,
                                BrokerClient.over(channels, config.broker_address, config.rpc_timeout_s),

@@ -9,6 +9,8 @@ from typing import ClassVar
 from distserve.config import require, setting
 from distserve.worker_config import WorkerConfig
 
+KV_PEERS = ("registry", "any")
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig(WorkerConfig):
@@ -36,6 +38,9 @@ class PrefillConfig(WorkerConfig):
                                           "the router sends them only while the prefill/decode pairs are saturated")
     colocated_kv_cache_mb: int = setting(1024, "with also_colocated: paged KV cache for the requests decoded here, MiB")
     rpc_timeout_s: float = setting(5.0, "deadline for calls to the kvbroker")
+    kv_peers: str = setting("registry", "who may connect to the UCX listener to pull KV: registry (connections "
+                                        "arriving on advertise_host from hosts of registered decode or colocated "
+                                        "workers) or any (anyone; each pull still needs its kv_secret)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,6 +49,7 @@ class PrefillConfig(WorkerConfig):
         require(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
         require(self.max_held_kv_bytes >= 0, "max_held_kv_bytes", "must be >= 0 (0: a quarter of physical memory)")
         require(self.colocated_kv_cache_mb > 0, "colocated_kv_cache_mb", "must be > 0")
+        require(self.kv_peers in KV_PEERS, "kv_peers", f"must be one of {list(KV_PEERS)}, got {self.kv_peers!r}")
         require(not (self.also_colocated and self.core_turns), "also_colocated",
                 "cannot be combined with core_turns (the colocated loop does not take turns)")
 

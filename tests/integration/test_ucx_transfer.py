@@ -11,6 +11,7 @@ import torch
 
 from distserve.transfer.checksum import kv_crc32c
 from distserve.transfer.connector import ChecksumMismatch, PullRefused
+from distserve.transfer.kv_peers import KvPeerPolicy
 from distserve.transfer.ucx_transfer import KvReceiver, KvSender, init_ucx
 from services.prefill.held_kv import HeldKv
 
@@ -240,6 +241,77 @@ async def test_a_suffix_pull_moves_only_the_tokens_from_its_start_verified_by_ch
             await receiver.fetch(address, "P", torch.zeros(2, 2, 300 - 128, 2, 64), 10, crc32c=wrong, from_token=128)
         with pytest.raises(TransferError, match="not held"):
             await receiver.fetch(address, "P", torch.zeros(2, 2, 1, 2, 64), 10, from_token=300)
+    finally:
+        await receiver.close()
+        sender.stop()
+
+
+def policy_listing(peer_hosts: set[str], local_ips: set[str] | None = None) -> KvPeerPolicy:
+    async def list_peer_hosts() -> set[str]:
+        return peer_hosts
+
+    return KvPeerPolicy(local_ips, list_peer_hosts)
+
+
+@pytest.mark.parametrize("policy, admitted", [
+    (policy_listing({"127.0.0.1"}, {"127.0.0.1"}), True),  # a registered peer, on the advertised address
+    (policy_listing({"10.9.8.7"}, {"127.0.0.1"}), False),  # a peer no registered worker advertises
+    (policy_listing({"127.0.0.1"}, {"10.9.8.7"}), False),  # arrived on an address the worker does not advertise
+])
+async def test_the_peer_policy_reads_the_connections_real_addresses_and_refuses_before_serving(policy, admitted):
+    """The sender asks UCX which addresses a new connection joins (127.0.0.1 to 127.0.0.1 here) and serves
+    it only if the policy admits them; a refused puller gets nothing, even with the right secret."""
+    from distserve.transfer.connector import TransferError
+
+    init_ucx()
+    held = HeldKv(max_bytes=1 << 30)
+    kv = torch.full(SHAPE, 6.0)
+    crc = held.add("G", kv, lease_s=30, secret="router-minted-secret")
+    sender = KvSender(lookup=held.lookup, on_sent=lambda handle_id, num_bytes, seconds: held.free(handle_id),
+                      authorize=held.admits, admit_peer=policy.admits)
+    address = f"127.0.0.1:{sender.start(0)}"
+    receiver = KvReceiver()
+    out = torch.zeros(SHAPE)
+    try:
+        if admitted:
+            await receiver.fetch(address, "G", out, 10, "owner", secret="router-minted-secret", crc32c=crc)
+            assert torch.equal(out, kv) and policy.num_refused == 0
+        else:
+            with pytest.raises(TransferError):
+                await receiver.fetch(address, "G", out, 5, "owner", secret="router-minted-secret", crc32c=crc)
+            assert policy.num_refused >= 1 and sender.num_turned_away >= 1
+            assert not out.any() and held.lookup("G") is not None  # nothing sent, the KV still held
+    finally:
+        await receiver.close()
+        sender.stop()
+
+
+async def test_a_pre_connect_refused_before_the_puller_registered_is_opened_again():
+    """A decode worker may pre-connect a moment before the prefill worker sees its record: that endpoint is
+    refused, no longer counts as open (so the next pre-connect opens another), and the first pull succeeds."""
+    init_ucx()
+    registered: set[str] = set()
+
+    async def list_peer_hosts() -> set[str]:
+        return set(registered)
+
+    policy = KvPeerPolicy({"127.0.0.1"}, list_peer_hosts, refresh_interval_s=0.0)
+    held = HeldKv(max_bytes=1 << 30)
+    kv = torch.full(SHAPE, 7.0)
+    crc = held.add("H", kv, lease_s=30, secret="router-minted-secret")
+    sender = KvSender(lookup=held.lookup, on_sent=lambda handle_id, num_bytes, seconds: held.free(handle_id),
+                      authorize=held.admits, admit_peer=policy.admits)
+    address = f"127.0.0.1:{sender.start(0)}"
+    receiver = KvReceiver()
+    try:
+        await receiver.connect(address)
+        assert await eventually(lambda: policy.num_refused == 1 and address not in receiver.peers)
+        registered.add("127.0.0.1")
+        await receiver.connect(address)
+        assert address in receiver.peers
+        out = torch.zeros(SHAPE)
+        await receiver.fetch(address, "H", out, 10, "owner", secret="router-minted-secret", crc32c=crc)
+        assert torch.equal(out, kv) and policy.num_refused == 1
     finally:
         await receiver.close()
         sender.stop()

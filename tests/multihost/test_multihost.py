@@ -6,12 +6,17 @@ with its API key; prefill runs on host b and decode on c and d, and KV moves bet
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import grpc
 import openai
 import pytest
+import redis
 import torch
 
 from distserve.engine.model_loader import load_model
@@ -19,7 +24,7 @@ from distserve.grpc_server import blocking_channel
 from distserve.v1 import router_pb2, router_pb2_grpc
 from tests.builders import compare_with_tolerance, reference_generate, token_request
 from distserve.v1 import lifecycle_pb2, lifecycle_pb2_grpc
-from tests.multihost.conftest import API_KEY, PORTS, wait_registered
+from tests.multihost.conftest import API_KEY, PORTS, ROOT, wait_registered
 
 MAX_TOKENS = 16
 LONG = 600  # tokens: still decoding when a host is lost
@@ -166,3 +171,30 @@ def wait_serving(fleet, host, requests: list[router_pb2.GenerateRequest], timeou
             return
         assert time.monotonic() < deadline, f"host {host.name} never served"
         time.sleep(1)
+
+
+def stranger_pull(fleet, host: str, address: str) -> str:
+    """How a KV pull from `host` (a stranger with a well-formed secret) to `address` ends (ucx_pull.py)."""
+    env = {**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(fleet.testbed.command(fleet.host(host), [
+        sys.executable, "-m", "tests.multihost.ucx_pull", address]), env=env, cwd=ROOT, capture_output=True,
+        text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_the_ucx_listener_serves_only_registered_peers_on_its_advertised_address(fleet):
+    """The listener accepts on every interface (ucxx cannot bind one), so the prefill worker checks each new
+    connection's addresses: one from host a (no decode or colocated worker there) or one arriving on
+    host b's loopback is dropped before it can ask for anything; one from decode host c reaches the
+    request check (and learns only that the handle is not held)."""
+    record = json.loads(redis.Redis.from_url(fleet.redis_url).get(
+        next(iter(redis.Redis.from_url(fleet.redis_url).keys("distserve:worker:prefill:*")))))
+    ucx_port = record["ucx_address"].rpartition(":")[2]
+    b = fleet.host("b").address
+    assert stranger_pull(fleet, "c", f"{b}:{ucx_port}").startswith("answered: ")
+    assert stranger_pull(fleet, "a", f"{b}:{ucx_port}").startswith("refused")
+    assert stranger_pull(fleet, "b", f"127.0.0.1:{ucx_port}").startswith("refused")
+    log = fleet.log("prefill")
+    assert f"{fleet.host('a').address} is not the address of a registered decode or colocated worker" in log
+    assert "arrived on 127.0.0.1, not on the advertised address" in log

@@ -98,14 +98,21 @@ def _wildcard_listeners() -> dict[str, int]:
     return found
 
 
+def _ucx_ports(cluster) -> set[int]:
+    client = redis.Redis.from_url(cluster.redis_url)
+    return {int(json.loads(client.get(key))["ucx_address"].rpartition(":")[2])
+            for key in client.keys("distserve:worker:prefill:*")}
+
+
 def test_nothing_listens_on_every_interface_but_the_prefill_ucx_listener(signed_cluster):
     """ucxx 0.52's Python API cannot bind one address (docs/kv-transfer.md): its listener is the exception,
-    guarded by the kv_secret and the sender's caps. Every gRPC, metrics and HTTP port binds loopback."""
+    guarded by the peer policy (tests/multihost: connections on another address, or from no registered
+    worker, are refused), the kv_secret and the sender's caps. Every gRPC, metrics and HTTP port binds
+    loopback."""
     wildcard = _wildcard_listeners()
-    client = redis.Redis.from_url(signed_cluster.redis_url)
-    ucx_ports = {int(json.loads(client.get(key))["ucx_address"].rpartition(":")[2])
-                 for key in client.keys("distserve:worker:prefill:*")}
+    ucx_ports = _ucx_ports(signed_cluster)
     assert ucx_ports
     for name, process in signed_cluster.processes.items():
         ports = {wildcard[inode] for inode in _listening_sockets(process.popen.pid) if inode in wildcard}
         assert ports <= ucx_ports, f"{name} listens on every interface at {sorted(ports - ucx_ports)}"
+

@@ -58,7 +58,8 @@ def test_without_read_only_keys_the_acl_grants_them_read_write():
 def test_spilling_workers_may_also_publish_colocated_records():
     plain = redis_acl.role_access(spill=False)
     spilling = redis_acl.role_access(spill=True)
-    assert "distserve:workers:colocated" not in plain["prefill"].read_write_keys
+    assert "distserve:worker:colocated:*" not in plain["prefill"].read_write_keys
+    assert "distserve:worker:colocated:*" in plain["prefill"].read_keys  # prefill lists its KV peers
     for role in ("prefill", "decode"):
         assert {"distserve:worker:colocated:*", "distserve:workers:colocated"} <= set(spilling[role].read_write_keys)
 
@@ -142,8 +143,8 @@ async def test_a_worker_publishes_and_removes_its_own_record_only(clients, role)
     assert [r.worker_id for r in await WorkerRegistry(clients["router"], 0, UNSIGNED).list(role)] == ["w1"]
     await registry.remove(role, "w1")
     other = "decode" if role != "decode" else "prefill"
-    if role == "decode" and not redis_acl.server_has_read_only_keys(find_redis_server()):
-        await registry.publish(record(other, "forged"))  # Redis 6 grants the prefill keys decode reads read-write
+    if role in ("decode", "prefill") and not redis_acl.server_has_read_only_keys(find_redis_server()):
+        await registry.publish(record(other, "forged"))  # Redis 6 grants the keys a worker reads read-write
         return
     with pytest.raises(redis.exceptions.NoPermissionError):
         await registry.publish(record(other, "forged"))
@@ -163,6 +164,16 @@ async def test_a_decode_worker_lists_prefill_workers(clients):
         return
     with pytest.raises(redis.exceptions.NoPermissionError):
         await clients["decode"].set(worker_key("prefill", "p1"), "{}")
+
+
+async def test_a_prefill_worker_lists_its_kv_peers_decode_and_colocated_workers(clients):
+    for role in ("decode", "colocated"):
+        await WorkerRegistry(clients[role], lease_s=5, signer=UNSIGNED).publish(record(role, f"{role}-1"))
+        listed = await WorkerRegistry(clients["prefill"], lease_s=5, signer=UNSIGNED).list(role)
+        assert [r.worker_id for r in listed] == [f"{role}-1"]
+    if redis_acl.server_has_read_only_keys(find_redis_server()):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await clients["prefill"].set(worker_key("decode", "decode-1"), "{}")
 
 
 async def test_routers_and_gateways_read_workers_and_only_routers_mark_spilling(clients):
