@@ -16,7 +16,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from distserve.grpc_server import TlsConfig
+from distserve.grpc_server import TlsConfig, role_cert_files
 from distserve.peer_roles import ADMIN_ROLE, ROLES
 
 SERVER_NAME = "distserve"
@@ -37,7 +37,7 @@ def make_dev_certs(directory: str | Path, days: int = 365) -> TlsConfig:
     (folder / "roles").mkdir(parents=True, exist_ok=True)
     tls = TlsConfig(tls_cert=str(folder / "cert.pem"), tls_key=str(folder / "key.pem"), tls_ca=str(folder / "ca.pem"))
     wanted = [Path(tls.tls_cert), Path(tls.tls_key), Path(tls.tls_ca)] + [
-        path for role in ROLES for path in _role_files(folder, role)]
+        path for role in ROLES for path in role_cert_files(folder, role)]
     if all(path.exists() for path in wanted):
         return tls
     ca_key = ca_key_path(folder)
@@ -45,7 +45,7 @@ def make_dev_certs(directory: str | Path, days: int = 365) -> TlsConfig:
     make_ca(folder / "ca.pem", ca_key, days)
     make_signed_cert(folder / "ca.pem", ca_key, Path(tls.tls_cert), Path(tls.tls_key), days, role=ADMIN_ROLE)
     for role in ROLES:
-        cert, key = _role_files(folder, role)
+        cert, key = role_cert_files(folder, role)
         make_signed_cert(folder / "ca.pem", ca_key, cert, key, days, role=role)
     (folder / "ca.srl").unlink(missing_ok=True)
     return tls
@@ -56,15 +56,11 @@ def role_tls(tls: TlsConfig, role: str) -> TlsConfig:
     wrote, when tls is that folder's and it has one; else tls unchanged (one certificate for all)."""
     if not tls.is_tls or not tls.tls_cert:
         return tls
-    cert, key = _role_files(Path(tls.tls_cert).parent, role)
+    cert, key = role_cert_files(Path(tls.tls_cert).parent, role)
     if not (cert.exists() and key.exists()):
         return tls
     return TlsConfig(tls_cert=str(cert), tls_key=str(key), tls_ca=tls.tls_ca, tls_server_name=tls.tls_server_name,
                      tls_check_roles=True)
-
-
-def _role_files(folder: Path, role: str) -> tuple[Path, Path]:
-    return folder / "roles" / f"{role}.pem", folder / "roles" / f"{role}-key.pem"
 
 
 def make_ca(cert: Path, key: Path, days: int, name: str = "distserve-dev-ca") -> None:

@@ -16,7 +16,8 @@ import asyncio
 import dataclasses
 import logging
 import signal
-from typing import Any, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Awaitable, Callable, ClassVar, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from distserve import tracing
 from distserve.config import ConfigError, setting
 from distserve.drain_service import DrainServicer
+from distserve.peer_roles import ADMIN_ROLE
 from distserve.v1 import lifecycle_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,10 +64,22 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
 ]
 
 
+def role_cert_files(folder: str | Path, role: str) -> tuple[Path, Path]:
+    """(certificate, key) of `role` in a folder laid out as distserve.dev_certs writes it: the operator's
+    at the top (cert.pem, key.pem), each service role's under roles/."""
+    folder = Path(folder)
+    if role == ADMIN_ROLE:
+        return folder / "cert.pem", folder / "key.pem"
+    return folder / "roles" / f"{role}.pem", folder / "roles" / f"{role}-key.pem"
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsConfig:
     """Mutual TLS for gRPC, inherited by every service config: tls_cert, tls_key and tls_ca all set
-    (servers require client certificates from the CA; channels present tls_cert), or none (plaintext)."""
+    (servers require client certificates from the CA; channels present tls_cert), or none (plaintext).
+    tls_dir fills the three from a folder of per-role certificates, by the config class's ROLE."""
+
+    ROLE: ClassVar[str] = ADMIN_ROLE  # whose certificate tls_dir gives; each service's config names its own
 
     tls_cert: str = setting("", "PEM certificate this process presents, as server and as client",
                             env="DISTSERVE_TLS_CERT")
@@ -77,15 +91,30 @@ class TlsConfig:
                                            "allowed to call this service (its subject's OU; see "
                                            "distserve.peer_roles); `up --tls-dir` turns it on",
                                     env="DISTSERVE_TLS_CHECK_ROLES")
+    tls_dir: str = setting("", "folder of per-role certificates as `distserve up --tls-dir` lays it out (ca.pem, "
+                               "roles/<role>.pem and roles/<role>-key.pem): present this service's role's "
+                               "certificate and check callers' roles (tls_cert, tls_key, tls_ca win where set)",
+                           env="DISTSERVE_TLS_DIR")
+
+    def __post_init__(self) -> None:
+        """Resolves tls_dir into this role's files; a subclass's __post_init__ calls this first."""
+        if not self.tls_dir:
+            return
+        cert, key = role_cert_files(self.tls_dir, self.ROLE)
+        for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", Path(self.tls_dir) / "ca.pem")):
+            if not getattr(self, name):
+                object.__setattr__(self, name, str(path))
+        object.__setattr__(self, "tls_check_roles", True)
 
     @property
     def is_tls(self) -> bool:
         return bool(self.tls_cert or self.tls_key or self.tls_ca)
 
     def tls_env(self) -> dict[str, str]:
-        """The environment that gives a child process these settings (how the launcher passes them on)."""
+        """The environment that gives a child process these settings (how the launcher passes them on):
+        the resolved files, never tls_dir, which would give the child its own role's."""
         return {f.metadata["env"]: str(int(value) if isinstance(value, bool) else value)
-                for f in dataclasses.fields(TlsConfig) if (value := getattr(self, f.name))}
+                for f in dataclasses.fields(TlsConfig) if f.name != "tls_dir" and (value := getattr(self, f.name))}
 
     def tls_pem(self) -> tuple[bytes, bytes, bytes]:
         """(cert, key, ca) file contents; ConfigError naming the field that is missing or unreadable."""

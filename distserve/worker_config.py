@@ -45,6 +45,7 @@ class WorkerConfig(PrefixCacheConfig, GrpcServerConfig):
 
     def __post_init__(self) -> None:
         """Checks the shared fields; a subclass's __post_init__ calls this first, then checks its own."""
+        super().__post_init__()
         self.check_prefix_cache()
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")

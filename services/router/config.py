@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from distserve.bearer_key import ApiKeyConfig
 from distserve.config import require, setting
@@ -14,6 +15,8 @@ from distserve.spill_policy import SpillPolicy
 class RouterConfig(GrpcServerConfig, ApiKeyConfig):
     """router: public streaming Generate API in front of prefill and decode workers. With an API key
     (the gateway's: DISTSERVE_API_KEY) every call but health checks must present it."""
+
+    ROLE: ClassVar[str] = "router"  # its certificate in tls_dir
 
     host: str = setting("127.0.0.1", "interface to bind the gRPC server to")
     metrics_port: int = setting(9100, "port of the Prometheus /metrics endpoint (0: off)")
@@ -60,6 +63,7 @@ class RouterConfig(GrpcServerConfig, ApiKeyConfig):
                                       "long burst (0: never)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         require(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")

@@ -14,6 +14,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from distserve.dev_certs import ca_key_path, make_ca, make_dev_certs, make_signed_cert, role_tls
 from distserve.grpc_server import PLAINTEXT, TlsConfig, aio_channel, bind
 from distserve.peer_roles import ROLES, WORKER_CALLERS, PeerRoleInterceptor
+from services.colocated.config import ColocatedConfig
+from services.decode.config import DecodeConfig
+from services.kvbroker.config import KvBrokerConfig
+from services.prefill.config import PrefillConfig
+from services.router.config import RouterConfig
+from services.router.gateway.config import GatewayConfig
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +103,30 @@ async def test_other_roles_and_certificates_naming_none_are_refused(worker_serve
 def test_no_allowed_role_is_a_mistake():
     with pytest.raises(ValueError):
         PeerRoleInterceptor(frozenset())
+
+
+SERVICE_CONFIGS = {"router": RouterConfig, "gateway": GatewayConfig, "kvbroker": KvBrokerConfig,
+                   "prefill": PrefillConfig, "decode": DecodeConfig, "colocated": ColocatedConfig}
+
+
+def test_tls_dir_gives_each_service_its_roles_certificate_with_roles_checked(certs):
+    """What compose passes (DISTSERVE_TLS_DIR): each service's config picks its own role's files."""
+    folder = certs.tls_ca.rpartition("/")[0]
+    assert set(SERVICE_CONFIGS) == set(ROLES)
+    for role, config_class in SERVICE_CONFIGS.items():
+        config = config_class(tls_dir=folder)
+        expected = role_tls(certs, role)
+        assert (config.tls_cert, config.tls_key, config.tls_ca) == (expected.tls_cert, expected.tls_key, certs.tls_ca)
+        assert config.tls_check_roles and all(Path(p).exists() for p in (config.tls_cert, config.tls_key))
+        assert "DISTSERVE_TLS_DIR" not in config.tls_env()  # a child gets the files, not the folder
+    assert TlsConfig(tls_dir=folder).tls_cert == certs.tls_cert  # no service: the operator's
+    mine = DecodeConfig(tls_dir=folder, tls_cert=certs.tls_cert, tls_key=certs.tls_key)
+    assert mine.tls_cert == certs.tls_cert and mine.tls_ca == certs.tls_ca  # files given win
+
+
+async def test_services_configured_by_tls_dir_call_as_their_roles(worker_server, certs):
+    folder = certs.tls_ca.rpartition("/")[0]
+    assert await _calls(worker_server, RouterConfig(tls_dir=folder)) == (b"said hi", [b"\x00", b"\x01", b"\x02"])
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _calls(worker_server, GatewayConfig(tls_dir=folder))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import os
 from pathlib import Path
 
@@ -19,6 +20,8 @@ _TEMPLATE_CHARS = "{}\n"  # every Jinja template that prints or loops has one; a
 class GatewayConfig(TlsConfig, ApiKeyConfig):
     """gateway: OpenAI-compatible HTTP API (SSE streaming) in front of the router. With an API key it
     requires `Authorization: Bearer <key>` on /v1/* and /metrics, and presents the key to the router."""
+
+    ROLE: ClassVar[str] = "gateway"  # its certificate in tls_dir
 
     host: str = setting("127.0.0.1", "interface to bind the HTTP server to")
     port: int = setting(8000, "HTTP port")
@@ -58,6 +61,7 @@ class GatewayConfig(TlsConfig, ApiKeyConfig):
                                         "starts thinking) or qwen3 (only after <think>); default: off")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         require(all(self.router_addresses), "router_address", f"must be host:port[,host:port...], got "
                                                               f"{self.router_address!r}")
