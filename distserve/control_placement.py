@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import redis
 
 from distserve.cpus import move_threads
 from distserve.record_signing import RecordSigner
-from distserve.registry import lists_now
+from distserve.registry import SPILLING_KEY, WorkerRecord, lists_now
 from distserve.spill_policy import SpillPolicy
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,12 @@ def every_core_busy(client: redis.Redis, policy: SpillPolicy, signer: RecordSign
     way: a prefill worker decoding, or a decode worker prefilling, whole requests of its own (their
     spill-only records). False without a pair. signer: checks the records (lists_now)."""
     spilling, workers = lists_now(client, ("prefill", "decode", "colocated"), signer)
-    if spilling:  # a router spilled within the last second: the quickest sign
-        return True
+    # a router spilled within the last second: the quickest sign
+    return spilling or workers_show_every_core_busy(workers, policy)
+
+
+def workers_show_every_core_busy(workers: dict[str, list[WorkerRecord]], policy: SpillPolicy) -> bool:
+    """every_core_busy's reading of the workers' reports (role -> records), without the spilling mark."""
     prefill, decode = workers["prefill"], workers["decode"]
     if not prefill or not decode:
         return False
@@ -49,10 +54,13 @@ def every_core_busy(client: redis.Redis, policy: SpillPolicy, signer: RecordSign
 
 class ControlPlacement:
     """A thread that keeps the control plane on `own` cores and lets it use `every` core while
-    every_core_busy, checking every interval_s."""
+    every_core_busy: the routers' spilling mark is read every interval_s (one round trip), the workers'
+    reports every records_interval_s (they change once per heartbeat; reading and verifying them ten
+    times a second cost the launcher ~15 ms of CPU a second, on a worker's core)."""
 
     def __init__(self, redis_url: str, pids: Callable[[], list[int]], own: list[int], every: list[int],
-                 policy: SpillPolicy, interval_s: float = 0.1, signer: RecordSigner | None = None):
+                 policy: SpillPolicy, interval_s: float = 0.1, signer: RecordSigner | None = None,
+                 records_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
         """signer: checks the registry's records with the workers' key (default: this process's)."""
         self._client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
         self._signer = signer
@@ -60,6 +68,10 @@ class ControlPlacement:
         self._own, self._every = own, every
         self._policy = policy
         self._interval_s = interval_s
+        self._records_interval_s = records_interval_s
+        self._clock = clock
+        self._records_read_at = float("-inf")
+        self._workers_busy = False  # what the last read of the workers' reports showed
         self.floating = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="control-placement", daemon=True)
@@ -83,7 +95,14 @@ class ControlPlacement:
 
     def check(self) -> None:
         """Moves the control plane when every_core_busy changed since the last check."""
-        busy = every_core_busy(self._client, self._policy, self._signer)
+        now = self._clock()
+        if now - self._records_read_at >= self._records_interval_s:
+            spilling, workers = lists_now(self._client, ("prefill", "decode", "colocated"), self._signer)
+            self._workers_busy = workers_show_every_core_busy(workers, self._policy)
+            self._records_read_at = now
+        else:
+            spilling = bool(self._client.exists(SPILLING_KEY))
+        busy = spilling or self._workers_busy
         if busy != self.floating:
             move_threads(self._pids(), self._every if busy else self._own)
             self.floating = busy

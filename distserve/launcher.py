@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -349,6 +350,7 @@ class Cluster:
         self.metrics = LauncherMetrics(lambda: list(self.processes.values()))
         self.metrics_url = ""  # the launcher's own Prometheus endpoint, once started
         self._starting = True  # control-plane children float over every core until all serve
+        self._probe_channels = ProbeChannels(spec.tls)  # the supervisor's health probes, one channel per child
 
     def _port(self, wanted: int, offset: int = 0) -> int:
         return wanted + offset if wanted else free_port()
@@ -685,7 +687,8 @@ class Cluster:
         probe: a worker NOT_SERVING or a gateway answering 503 (say, while the router restarts) is alive."""
         if process.address:
             try:
-                self._health_status(process)
+                self._probe_channels.health(process.address, process.popen.pid).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1)
             except grpc.RpcError as exc:
                 return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
             return True
@@ -693,8 +696,8 @@ class Cluster:
         if process.name == "redis" and port:
             return _redis_pongs(port, *self._redis_admin())
         if process.name == "gateway" and self.gateway_url:
-            try:
-                with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=1):
+            try:  # liveness only: /health would check the routers and the registry every second
+                with urllib.request.urlopen(f"{self.gateway_url}/live", timeout=1):
                     return True
             except urllib.error.HTTPError:  # it answered, with an error status
                 return True
@@ -755,6 +758,7 @@ class Cluster:
         after grace_s. Removes the state file."""
         if self.supervisor is not None:
             self.supervisor.stop()
+        self._probe_channels.close()
         if self.control_placement is not None:
             self.control_placement.stop()
         self.metrics.stop()
@@ -774,6 +778,35 @@ class Cluster:
         phase([n for n in names if n == "redis"])
         if self.spec.state_file:
             Path(self.spec.state_file).unlink(missing_ok=True)
+
+
+class ProbeChannels:
+    """The supervisor's health-probe channels: one per child process, reused probe after probe (a new
+    channel each second cost the launcher and every child a connection set-up, a TLS handshake with TLS).
+    Keyed by address and pid: a restarted child gets a fresh channel, never one in reconnect backoff from
+    its predecessor's death, which could outlast the hang window and get a healthy child killed."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self._tls = tls
+        self._channels: dict[str, tuple[int, grpc.Channel, health_pb2_grpc.HealthStub]] = {}
+        self._lock = threading.Lock()
+
+    def health(self, address: str, pid: int) -> health_pb2_grpc.HealthStub:
+        with self._lock:
+            held = self._channels.get(address)
+            if held is not None and held[0] == pid:
+                return held[2]
+            if held is not None:
+                held[1].close()
+            channel = blocking_channel(address, self._tls)
+            self._channels[address] = (pid, channel, health_pb2_grpc.HealthStub(channel))
+            return self._channels[address][2]
+
+    def close(self) -> None:
+        with self._lock:
+            for _, channel, _ in self._channels.values():
+                channel.close()
+            self._channels.clear()
 
 
 def _ports_of(process: ManagedProcess) -> list[int]:

@@ -112,11 +112,41 @@ def test_move_threads_moves_every_thread_and_skips_the_gone(child):
 async def test_placement_floats_while_busy_and_returns_after(redis_client, redis_url, child):
     every = sorted(os.sched_getaffinity(0))
     own = [every[-1]]
-    placement = ControlPlacement(redis_url, lambda: [child], own, every, POLICY)  # checked by hand: not started
+    placement = ControlPlacement(redis_url, lambda: [child], own, every, POLICY,  # checked by hand: not started
+                                 records_interval_s=0.0)  # every check reads the workers' reports
     await publish(redis_client, *pair(queued=5000))
     placement.check()
     assert placement.floating and thread_cores(child) == [set(every)] * 2
     await publish(redis_client, *pair())
     placement.check()
     assert not placement.floating and thread_cores(child) == [set(own)] * 2
+    placement.stop()
+
+
+async def test_the_spilling_mark_is_read_every_check_and_the_workers_reports_once_per_records_interval(
+        redis_client, redis_url, child):
+    """A router's spilling mark moves the control plane at the next check; a saturated report only once
+    the records are read again (they change once per heartbeat)."""
+    every = sorted(os.sched_getaffinity(0))
+    now = [100.0]
+    placement = ControlPlacement(redis_url, lambda: [child], [every[-1]], every, POLICY, records_interval_s=1.0,
+                                 clock=lambda: now[0])
+    await publish(redis_client, *pair())
+    placement.check()  # reads everything: idle
+    assert not placement.floating
+    await publish(redis_client, *pair(queued=5000))
+    now[0] += 0.5
+    placement.check()  # the reports are not read again yet
+    assert not placement.floating
+    await WorkerRegistry(redis_client, 30).mark_spilling(5.0)
+    placement.check()  # the mark is read at every check
+    assert placement.floating
+    await redis_client.delete("distserve:spilling")
+    now[0] += 0.6
+    placement.check()  # a second on: the saturated reports keep it floating
+    assert placement.floating
+    await publish(redis_client, *pair())
+    now[0] += 1.0
+    placement.check()
+    assert not placement.floating
     placement.stop()

@@ -113,6 +113,13 @@ async def test_health_is_503_and_says_why(client):
     assert any("registry unreachable" in p for p in problems)
 
 
+async def test_live_answers_200_while_health_is_503_and_needs_no_key(client):
+    """Liveness is the process alone: nothing reachable behind it, no key presented, and still 200."""
+    reply = await client.get("/live")
+    assert reply.status == 200 and (await reply.json()) == {"status": "live"}
+    assert (await client.get("/health")).status == 503
+
+
 def test_config_flags_env_and_validation(monkeypatch):
     monkeypatch.setenv("DISTSERVE_API_KEY", "from-env")
     monkeypatch.setenv("DISTSERVE_ROUTER_ADDRESS", "10.0.0.1:1")

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
 POST /tokenize and /detokenize (vLLM's; tokenizer_endpoints), GET /metrics (these need
-the API key when one is configured), GET /health (ready to serve), GET /version.
+the API key when one is configured), GET /health (ready to serve: routers and workers), GET /live (the
+process answers: liveness probes), GET /version.
 Run with handler_cancellation=True: a client that disconnects cancels its
 handler, whose `finally` cancels the router call.
 """
@@ -80,7 +81,7 @@ class Gateway:
         return [web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
-                web.get("/health", self.health), web.get("/version", self.version),
+                web.get("/health", self.health), web.get("/live", self.live), web.get("/version", self.version),
                 web.get("/metrics", self.metrics),
                 *TokenizerEndpoints(self._template, self.served_model_name, lambda: self._router).routes()]
 
@@ -144,6 +145,11 @@ class Gateway:
         if problems:
             return web.json_response({"status": "unavailable", "problems": problems}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def live(self, request: web.Request) -> web.Response:
+        """200 whenever the process answers, whatever its peers' state: what a liveness probe (the
+        launcher's supervisor, a kubelet) restarts on, without /health's router call and registry reads."""
+        return web.json_response({"status": "live"})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": distserve.__version__})
@@ -223,8 +229,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def api_key_middleware(api_key: str) -> Callable:
-    """401 on /v1/*, /tokenize, /detokenize and /metrics unless `Authorization: Bearer <api_key>`; /health and
-    /version stay open (probes carry no key and learn nothing private from them)."""
+    """401 on /v1/*, /tokenize, /detokenize and /metrics unless `Authorization: Bearer <api_key>`; /health,
+    /live and /version stay open (probes carry no key and learn nothing private from them)."""
     expected = api_key.encode()
 
     @web.middleware
