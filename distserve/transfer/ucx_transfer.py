@@ -60,6 +60,7 @@ MAX_ENDPOINTS_PER_PEER = 8
 # MAX_ENDPOINTS_PER_PEER): a flood of connections is turned away at the door, not served a coroutine each.
 MAX_SERVED_ENDPOINTS = 256
 FIRST_HEADER_TIMEOUT_S = 10.0  # a new endpoint that asks for nothing in this long is closed
+TURN_AWAY_LOG_S = 5.0  # at most one log line per this long about connections turned away
 
 
 def _encode_header(handle_id: str, request_id: str, secret: str, from_token: int = 0) -> np.ndarray:
@@ -170,7 +171,8 @@ class KvSender:
         self._listener = None
         self._num_endpoints = 0
         self.counters = TransferCounters()
-        self.num_turned_away = 0  # endpoints aborted over the cap or for sending no header in time
+        self.num_turned_away = 0  # endpoints aborted: over the cap, refused by admit_peer, or no header in time
+        self._turn_away_logged: dict[str, float] = {}  # reason -> when last logged (_turn_away)
 
     def start(self, port: int = 0) -> int:
         """Listens on `port` (0: any free one) on every interface (ucxx cannot bind one; module docstring)."""
@@ -185,8 +187,7 @@ class KvSender:
 
     async def _serve_endpoint(self, ep) -> None:
         if self._num_endpoints >= self._max_endpoints:
-            self.num_turned_away += 1
-            log.warning("kv sender: %d endpoints served already; a new one is turned away", self._num_endpoints)
+            self._turn_away(f"{self._max_endpoints} endpoints served already")
             ep.abort()
             return
         self._num_endpoints += 1  # counted while the peer is checked, so a flood stays bounded there too
@@ -197,14 +198,12 @@ class KvSender:
         try:
             if self._admit_peer is not None and (refused := await self._admit_peer(
                     endpoint_addresses(ep.ucp_endpoint))) is not None:
-                self.num_turned_away += 1
-                log.warning("kv sender: a connection is refused: %s", refused)
+                self._turn_away(refused)
                 return
             try:
                 await asyncio.wait_for(ep.recv(header), self._first_header_timeout_s)
             except TimeoutError:
-                self.num_turned_away += 1
-                log.warning("kv sender: a new endpoint sent no header in %gs; closed", self._first_header_timeout_s)
+                self._turn_away(f"no header in {self._first_header_timeout_s:g} s")
                 return
             while True:
                 # A puller that stops reading or acknowledging must not hold this endpoint (or the buffer) forever.
@@ -220,6 +219,18 @@ class KvSender:
             self._num_endpoints -= 1
             ep.abort()  # cancels any send still posted from a buffer this coroutine no longer holds
             sending.clear()
+
+    def _turn_away(self, reason: str) -> None:
+        """Counts a connection turned away; logs each reason (which names the peer's address where it is
+        the cause) at most once per TURN_AWAY_LOG_S, so that a flood cannot flood the log."""
+        self.num_turned_away += 1
+        now = time.monotonic()
+        if now - self._turn_away_logged.get(reason, float("-inf")) >= TURN_AWAY_LOG_S:
+            if len(self._turn_away_logged) >= 1024:  # many strangers: forget, rather than grow
+                self._turn_away_logged.clear()
+            self._turn_away_logged[reason] = now
+            log.warning("kv sender: a connection is turned away: %s (%d turned away in all)", reason,
+                        self.num_turned_away)
 
     async def _serve_one(self, ep, fields: dict, sending: list[np.ndarray]) -> None:
         handle_id = fields["handle_id"]

@@ -315,3 +315,23 @@ async def test_a_pre_connect_refused_before_the_puller_registered_is_opened_agai
     finally:
         await receiver.close()
         sender.stop()
+
+
+async def test_turned_away_connections_are_counted_each_but_logged_once_per_reason(caplog):
+    """A flood of refused connections is counted in full; the log gets one line per reason per 5 s."""
+    init_ucx()
+    policy = policy_listing({"10.9.8.7"}, {"127.0.0.1"})  # this process is no registered peer
+    sender = KvSender(lookup=lambda handle_id: None, on_sent=lambda handle_id, num_bytes, seconds: None,
+                      admit_peer=policy.admits)
+    address = f"127.0.0.1:{sender.start(0)}"
+    strangers = [KvReceiver() for _ in range(4)]
+    try:
+        with caplog.at_level("WARNING", logger="distserve.transfer.ucx_transfer"):
+            await asyncio.gather(*(s.connect(address) for s in strangers))
+            assert await eventually(lambda: sender.num_turned_away == 4)
+        lines = [r.getMessage() for r in caplog.records if "turned away" in r.getMessage()]
+        assert len(lines) == 1 and "127.0.0.1 is not the address of a registered" in lines[0]
+    finally:
+        for stranger in strangers:
+            await stranger.close()
+        sender.stop()
