@@ -278,6 +278,11 @@ class _Peer:
     connecting: asyncio.Future | None = None
     slots: asyncio.Semaphore = dataclasses.field(default_factory=lambda: asyncio.Semaphore(MAX_ENDPOINTS_PER_PEER))
 
+    @property
+    def is_open(self) -> bool:
+        """An endpoint is in use, or idle and not closed by the peer (which may have refused it)."""
+        return bool(self.num_busy) or any(not ep.closed for ep in self.idle)
+
 
 class KvReceiver:
     """Pulls KV buffers from prefill workers into caller-provided tensors."""
@@ -312,7 +317,7 @@ class KvReceiver:
     async def connect(self, address: str) -> None:
         """Opens an endpoint to a peer ahead of its first transfer (set-up costs ~0.3 s), if none is open."""
         peer = self._peers.setdefault(address, _Peer())
-        if address in self.peers:
+        if peer.is_open:
             return
         try:
             await asyncio.wait_for(asyncio.shield(self._connecting(address, peer)), CONNECT_TIMEOUT_S)
@@ -322,8 +327,7 @@ class KvReceiver:
     @property
     def peers(self) -> set[str]:
         """Addresses with an open endpoint (one the peer closed, say refusing it, is not open)."""
-        return {address for address, peer in self._peers.items()
-                if peer.num_busy or any(not ep.closed for ep in peer.idle)}
+        return {address for address, peer in self._peers.items() if peer.is_open}
 
     async def _pull_verified(self, address: str, handle_id: str, header: np.ndarray, out: torch.Tensor,
                              crc32c: int | ChunkChecksums | None, from_token: int) -> None:

@@ -78,10 +78,19 @@ async def eventually(condition, timeout_s: float = 2.0) -> bool:
     return bool(condition())
 
 
-def held_kv_sender(held: HeldKv) -> KvSender:
-    """A sender serving `held` as a prefill worker does: the secret checked, the buffer freed once sent."""
+def held_kv_sender(held: HeldKv, policy: KvPeerPolicy | None = None) -> KvSender:
+    """A sender serving `held` as a prefill worker does: the secret checked, the buffer freed once sent,
+    connections admitted by `policy` (None: all)."""
     return KvSender(lookup=held.lookup, on_sent=lambda handle_id, num_bytes, seconds: held.free(handle_id),
-                    authorize=held.admits)
+                    authorize=held.admits, admit_peer=policy and policy.admits)
+
+
+def holding(value: float, handle_id: str) -> tuple[HeldKv, torch.Tensor, int]:
+    """A prefill worker's held KV: one buffer of SHAPE filled with `value` under `handle_id`, its secret
+    "router-minted-secret"; (held, the buffer, its CRC32C)."""
+    held = HeldKv(max_bytes=1 << 30)
+    kv = torch.full(SHAPE, value)
+    return held, kv, held.add(handle_id, kv, lease_s=30, secret="router-minted-secret")
 
 
 async def test_a_puller_without_the_secret_is_refused_and_the_owner_still_gets_the_kv():
@@ -264,11 +273,8 @@ async def test_the_peer_policy_reads_the_connections_real_addresses_and_refuses_
     from distserve.transfer.connector import TransferError
 
     init_ucx()
-    held = HeldKv(max_bytes=1 << 30)
-    kv = torch.full(SHAPE, 6.0)
-    crc = held.add("G", kv, lease_s=30, secret="router-minted-secret")
-    sender = KvSender(lookup=held.lookup, on_sent=lambda handle_id, num_bytes, seconds: held.free(handle_id),
-                      authorize=held.admits, admit_peer=policy.admits)
+    held, kv, crc = holding(6.0, "G")
+    sender = held_kv_sender(held, policy)
     address = f"127.0.0.1:{sender.start(0)}"
     receiver = KvReceiver()
     out = torch.zeros(SHAPE)
@@ -296,11 +302,8 @@ async def test_a_pre_connect_refused_before_the_puller_registered_is_opened_agai
         return set(registered)
 
     policy = KvPeerPolicy({"127.0.0.1"}, list_peer_hosts, refresh_interval_s=0.0)
-    held = HeldKv(max_bytes=1 << 30)
-    kv = torch.full(SHAPE, 7.0)
-    crc = held.add("H", kv, lease_s=30, secret="router-minted-secret")
-    sender = KvSender(lookup=held.lookup, on_sent=lambda handle_id, num_bytes, seconds: held.free(handle_id),
-                      authorize=held.admits, admit_peer=policy.admits)
+    held, kv, crc = holding(7.0, "H")
+    sender = held_kv_sender(held, policy)
     address = f"127.0.0.1:{sender.start(0)}"
     receiver = KvReceiver()
     try:
