@@ -24,4 +24,6 @@ uv=(.venv/bin/uv pip --quiet)
   || echo "warning: the modules above did not compile to bytecode; their processes start slower" >&2
 # Build the CPU kernels now (cached per machine) so no worker start waits ~30 s for the compiler.
 "$py" -m distserve.engine.cpu_kernels || echo "warning: no C++ compiler; decode uses the slower torch path"
+# And the UCX listener that binds one address (without it the prefill workers' KV listener binds every interface).
+"$py" -m distserve.transfer.bound_listener || echo "warning: the KV listener will bind every interface"
 echo "setup done: .venv/bin/distserve is ready"

@@ -67,7 +67,8 @@ class TransferCounters:
 class KvProducer(Protocol):
     counters: TransferCounters
 
-    def start(self, port: int = 0) -> int: ...
+    def start(self, port: int = 0, host: str = "") -> int:
+        """Serves on host:port (port 0: any free one; host "": every interface); returns the port."""
 
     def stop(self) -> None: ...
 
@@ -99,8 +100,8 @@ class LocalProducer:
         self.counters = TransferCounters()
         self.port = 0
 
-    def start(self, port: int = 0) -> int:
-        self.port = port or next(_local_ports)
+    def start(self, port: int = 0, host: str = "") -> int:
+        self.port = port or next(_local_ports)  # in-process: no address to bind
         _local_producers[self.port] = self
         return self.port
 

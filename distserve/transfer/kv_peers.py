@@ -1,9 +1,9 @@
 """Who may pull KV from a worker's UCX listener, by address.
 
-The listener accepts connections on every interface (distserve.transfer.ucx_addresses says why). A
-KvPeerPolicy refuses, before reading a byte, a connection that
-- arrived on an address other than the worker's advertised host's ("bind to the advertised address",
-  checked after accept; skipped when the advertised host is a wildcard, which means every interface), or
+The listener binds the advertised host (distserve.transfer.bound_listener), or every interface where
+that cannot be built. A KvPeerPolicy refuses, before reading a byte, a connection that
+- arrived on an address other than the worker's advertised host's (what binding refuses; checked again
+  after accept for the fallback; skipped when the advertised host is a wildcard: every interface), or
 - comes from an address that no registered decode or colocated worker advertises.
 
 The kv_secret still authorizes each pull; this keeps strangers from reaching that check at all. Peers

@@ -20,10 +20,12 @@ caller's buffer) and never reused, and the next pull opens a new one.
 A sender serves at most MAX_SERVED_ENDPOINTS endpoints and aborts a new one beyond them; a new
 endpoint must send its first header within FIRST_HEADER_TIMEOUT_S (a pooled one may idle between pulls).
 
-Binding: ucxx 0.52's listener takes a port only and binds every interface (0.0.0.0; ucxx's C++
-Listener passes a NULL host to getaddrinfo). A sender given a peer policy (distserve.transfer.kv_peers)
-refuses, before reading a byte, connections that arrived on another address than the advertised one or
-that come from no registered puller; each pull is then authorized by its per-request secret.
+Binding: the sender listens on the host it is given (the worker's advertised one) through
+distserve.transfer.bound_listener, since ucxx 0.52's own listener takes a port only and binds every
+interface; only where that extension cannot be built (no compiler) does it fall back to ucxx's, and
+says so. Either way, a sender given a peer policy (distserve.transfer.kv_peers) refuses, before reading
+a byte, connections that arrived on another address than the advertised one or that come from no
+registered puller; each pull is then authorized by its per-request secret.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from distserve import tracing
 from distserve.transfer.checksum import ChunkChecksums, byte_view, pulled_intact
 from distserve.transfer.connector import (Authorize, ChecksumMismatch, PullRefused, TransferCounters,
                                           TransferError)
+from distserve.transfer import bound_listener
+from distserve.transfer.kv_peers import WILDCARD_HOSTS
 from distserve.transfer.ucx_addresses import EndpointAddresses, endpoint_addresses
 
 log = logging.getLogger(__name__)
@@ -174,10 +178,16 @@ class KvSender:
         self.num_turned_away = 0  # endpoints aborted: over the cap, refused by admit_peer, or no header in time
         self._turn_away_logged: dict[str, float] = {}  # reason -> when last logged (_turn_away)
 
-    def start(self, port: int = 0) -> int:
-        """Listens on `port` (0: any free one) on every interface (ucxx cannot bind one; module docstring)."""
+    def start(self, port: int = 0, host: str = "") -> int:
+        """Listens on host:port (port 0: any free one; host "" or a wildcard: every interface) and returns
+        the port. Call it inside the running event loop."""
         init_ucx()
-        self._listener = _ucxx().create_listener(self._serve_endpoint, port=port)
+        if host not in WILDCARD_HOSTS:
+            self._listener = bound_listener.create_listener(host, port, self._serve_endpoint)
+            if self._listener is None:
+                log.warning("the KV sender listens on every interface, not only %s (module docstring)", host)
+        if self._listener is None:
+            self._listener = _ucxx().create_listener(self._serve_endpoint, port=port)
         return self._listener.port
 
     def stop(self) -> None:

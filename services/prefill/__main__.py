@@ -100,7 +100,7 @@ async def serve(config: PrefillConfig) -> None:
     registry = WorkerRegistry(redis, config.lease_s)
     peers = await kv_peer_policy(config, registry)
     sender = connector.make_producer("ucx", held.lookup, on_sent, held.admits, peers and peers.admits)
-    ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port)}"
+    ucx_address = f"{config.advertise_host}:{sender.start(config.ucx_port, config.advertise_host)}"
     channels = ChannelPool(config)
     servicer = PrefillServicer(config, spec, config.dtype, batcher, held, sender,
                                BrokerClient.over(channels, config.broker_address, config.rpc_timeout_s),

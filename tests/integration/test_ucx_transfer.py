@@ -9,11 +9,13 @@ import asyncio
 import pytest
 import torch
 
+from distserve.transfer import bound_listener
 from distserve.transfer.checksum import kv_crc32c
 from distserve.transfer.connector import ChecksumMismatch, PullRefused
 from distserve.transfer.kv_peers import KvPeerPolicy
 from distserve.transfer.ucx_transfer import KvReceiver, KvSender, init_ucx
 from services.prefill.held_kv import HeldKv
+from tests.listening_sockets import listening_ips
 
 SHAPE = (2, 2, 2, 300, 64)  # [L, 2, H, T, D], ~600 KB
 
@@ -289,6 +291,38 @@ async def test_the_peer_policy_reads_the_connections_real_addresses_and_refuses_
             assert not out.any() and held.lookup("G") is not None  # nothing sent, the KV still held
     finally:
         await receiver.close()
+        sender.stop()
+
+
+async def test_a_sender_given_a_host_listens_there_only_and_serves_pulls_through_it():
+    """The listener binds the host it is given (ucxx's own binds every interface): 127.0.0.1 and not
+    0.0.0.0 in /proc/net/tcp, and a pull through that address gets its bytes."""
+    init_ucx()
+    held, kv, crc = holding(7.0, "B")
+    sender = held_kv_sender(held)
+    port = sender.start(0, "127.0.0.1")
+    receiver = KvReceiver()
+    out = torch.zeros(SHAPE)
+    try:
+        assert listening_ips(port) == {"127.0.0.1"}
+        await receiver.fetch(f"127.0.0.1:{port}", "B", out, 10, "owner", secret="router-minted-secret", crc32c=crc)
+        assert torch.equal(out, kv)
+    finally:
+        await receiver.close()
+        sender.stop()
+
+
+async def test_without_the_bound_listener_the_sender_says_so_and_listens_on_every_interface(monkeypatch, caplog):
+    """Where the extension cannot be built (no compiler), the sender still serves, and says it binds
+    every interface rather than the host it was given."""
+    monkeypatch.setattr(bound_listener, "create_listener", lambda host, port, on_endpoint: None)
+    init_ucx()
+    sender = held_kv_sender(HeldKv(max_bytes=1 << 20))
+    try:
+        port = sender.start(0, "127.0.0.1")
+        assert listening_ips(port) == {"0.0.0.0"}
+        assert "listens on every interface, not only 127.0.0.1" in caplog.text
+    finally:
         sender.stop()
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
-from pathlib import Path
 
 import grpc
 import redis
 
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.builders import generate, sampling, token_request
+from tests.listening_sockets import listening_ips, wildcard_ports
 from tests.security.conftest import GRAMMAR_COMPILE_TIMEOUT_S
 
 # Ambiguous and recursive: xgrammar spends minutes on it, though it is 8 KiB, under the 64 KiB size cap.
@@ -73,46 +73,16 @@ def test_a_request_over_the_routers_message_cap_is_refused(signed_cluster):
     assert generate(signed_cluster.router_address, token_request([5, 6], max_tokens=2)).token_ids
 
 
-def _listening_sockets(pid: int) -> set[str]:
-    """The socket inodes of a process."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = fd.readlink().as_posix()
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    return inodes
-
-
-def _wildcard_listeners() -> dict[str, int]:
-    """inode -> port of every TCP socket listening on 0.0.0.0 or ::."""
-    found = {}
-    for table, wildcard in (("/proc/net/tcp", "00000000"), ("/proc/net/tcp6", "0" * 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            address, port = fields[1].split(":")
-            if fields[3] == "0A" and address == wildcard:  # 0A: LISTEN
-                found[fields[9]] = int(port, 16)
-    return found
-
-
-def _ucx_ports(cluster) -> set[int]:
-    client = redis.Redis.from_url(cluster.redis_url)
-    return {int(json.loads(client.get(key))["ucx_address"].rpartition(":")[2])
-            for key in client.keys("distserve:worker:prefill:*")}
-
-
-def test_nothing_listens_on_every_interface_but_the_prefill_ucx_listener(signed_cluster):
-    """ucxx 0.52's Python API cannot bind one address (docs/kv-transfer.md): its listener is the exception,
-    guarded by the peer policy (tests/multihost: connections on another address, or from no registered
-    worker, are refused), the kv_secret and the sender's caps. Every gRPC, metrics and HTTP port binds
-    loopback."""
-    wildcard = _wildcard_listeners()
-    ucx_ports = _ucx_ports(signed_cluster)
+def test_nothing_listens_on_every_interface(signed_cluster):
+    """Every gRPC, metrics, HTTP and UCX port binds the address its process advertises (loopback here):
+    the prefill workers' UCX listeners too (distserve.transfer.bound_listener)."""
+    client = redis.Redis.from_url(signed_cluster.redis_url)
+    ucx_ports = {int(json.loads(client.get(key))["ucx_address"].rpartition(":")[2])
+                 for key in client.keys("distserve:worker:prefill:*")}
     assert ucx_ports
+    for port in ucx_ports:
+        assert listening_ips(port) == {"127.0.0.1"}, f"the UCX listener at {port} binds {listening_ips(port)}"
     for name, process in signed_cluster.processes.items():
-        ports = {wildcard[inode] for inode in _listening_sockets(process.popen.pid) if inode in wildcard}
-        assert ports <= ucx_ports, f"{name} listens on every interface at {sorted(ports - ucx_ports)}"
+        ports = wildcard_ports(process.popen.pid)
+        assert not ports, f"{name} listens on every interface at {sorted(ports)}"
 
