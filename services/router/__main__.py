@@ -39,7 +39,8 @@ async def serve(config: RouterConfig) -> None:
                                       config.spill_burst_tokens))
     channels = ChannelPool(config)
     spec = load_model_spec(path)
-    grammars = GrammarChecker(path, spec.vocab_size, spec.eos_token_ids, config.grammar_compile_timeout_s)
+    grammars = GrammarChecker(path, spec.vocab_size, spec.eos_token_ids, config.grammar_compile_timeout_s,
+                              cpu_share=config.grammar_compile_cpu_share)
     servicer = RouterServicer(config, load_tokenizer(path), spec, picker, channels, grammars,
                               model_name=Path(path).name, metrics=RouterMetrics())
     serve_metrics(config.metrics_port, config.host)

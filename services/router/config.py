@@ -49,6 +49,10 @@ class RouterConfig(GrpcServerConfig, ApiKeyConfig):
                                                     "that does not compile within this is refused "
                                                     "(INVALID_ARGUMENT); compiles run in a child process that is "
                                                     "killed at the deadline")
+    grammar_compile_cpu_share: float = setting(0.1, "of one core, what structured-output spec compiles may "
+                                                    "use over time, bursts of up to grammar_compile_timeout_s "
+                                                    "of CPU aside (a flood of slow specs then waits, and "
+                                                    "serving keeps the CPU)")
     max_retries: int = setting(2, "times one request may be re-prefilled and moved to other workers after "
                                   "a worker or its KV is lost (request migration)")
     spill_prefill_tokens: int = setting(SpillPolicy.prefill_tokens, "spill-only colocated workers (prefill/decode workers started with "
@@ -73,6 +77,7 @@ class RouterConfig(GrpcServerConfig, ApiKeyConfig):
         require(self.registry_refresh_s > 0, "registry_refresh_s", "must be > 0")
         require(self.max_request_mb > 0, "max_request_mb", "must be > 0")
         require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", "must be > 0")
+        require(0 < self.grammar_compile_cpu_share <= 1, "grammar_compile_cpu_share", "must be in (0, 1]")
         require(self.spill_prefill_tokens >= 0, "spill_prefill_tokens", "must be >= 0 (0: never on that count)")
         require(self.spill_decode_running >= 0, "spill_decode_running", "must be >= 0 (0: never on that count)")
         require(self.spill_burst_tokens >= 0, "spill_burst_tokens", "must be >= 0 (0: never)")
