@@ -13,7 +13,9 @@ def _ip(hex_address: str) -> str:
     """/proc/net/tcp's address column (host byte order, per 32-bit word) as an IP string."""
     raw = bytes.fromhex(hex_address)
     words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(words))
+    address = ipaddress.ip_address(words)
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, a dual-stack socket's IPv4 address
+    return str(mapped or address)
 
 
 def listening() -> dict[str, tuple[str, int]]:
@@ -51,3 +53,9 @@ def wildcard_ports(pid: int) -> set[int]:
     sockets = listening()
     return {sockets[inode][1] for inode in socket_inodes(pid)
             if inode in sockets and sockets[inode][0] in ("0.0.0.0", "::")}
+
+
+def listening_ips_of(pid: int) -> set[str]:
+    """The IPs a process listens on."""
+    sockets = listening()
+    return {sockets[inode][0] for inode in socket_inodes(pid) if inode in sockets}

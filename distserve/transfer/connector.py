@@ -175,14 +175,15 @@ def make_producer(kind: str, lookup: Lookup, on_sent: OnSent, authorize: Authori
     raise ValueError(f"kv_connector: {kind!r} is not one of {CONNECTORS}")
 
 
-def make_consumer(kind: str) -> KvConsumer:
-    """The consumer role of connector `kind` (one of CONNECTORS)."""
+def make_consumer(kind: str, advertise_host: str = "") -> KvConsumer:
+    """The consumer role of connector `kind` (one of CONNECTORS); a network one uses only the interface
+    of advertise_host ("": any)."""
     if kind == "local":
         return LocalConsumer()
     if kind == "ucx":
         from distserve.transfer.ucx_transfer import KvReceiver, init_ucx
 
-        init_ucx()
+        init_ucx(advertise_host)
         return KvReceiver()
     raise ValueError(f"kv_connector: {kind!r} is not one of {CONNECTORS}")
 

@@ -46,7 +46,7 @@ from distserve import tracing
 from distserve.transfer.checksum import ChunkChecksums, byte_view, pulled_intact
 from distserve.transfer.connector import (Authorize, ChecksumMismatch, PullRefused, TransferCounters,
                                           TransferError)
-from distserve.transfer import bound_listener
+from distserve.transfer import bound_listener, ucx_devices
 from distserve.transfer.kv_peers import WILDCARD_HOSTS
 from distserve.transfer.ucx_addresses import EndpointAddresses, endpoint_addresses
 
@@ -141,10 +141,13 @@ def _wake_progress_thread_less_often() -> None:
 _initialized = False
 
 
-def init_ucx() -> None:
-    """Loads UCX and creates its context now (~0.5 s) rather than inside the first transfer. Idempotent."""
+def init_ucx(advertise_host: str = "") -> None:
+    """Loads UCX and creates its context now (~0.5 s) rather than inside the first transfer. Idempotent:
+    the first call decides. advertise_host: UCX then uses only the interface holding it
+    (distserve.transfer.ucx_devices; "": every interface)."""
     global _initialized
     if not _initialized:
+        ucx_devices.restrict_to_advertised(advertise_host)
         _ucxx().init()
         _initialized = True
 
@@ -181,7 +184,7 @@ class KvSender:
     def start(self, port: int = 0, host: str = "") -> int:
         """Listens on host:port (port 0: any free one; host "" or a wildcard: every interface) and returns
         the port. Call it inside the running event loop."""
-        init_ucx()
+        init_ucx(host)
         if host not in WILDCARD_HOSTS:
             self._listener = bound_listener.create_listener(host, port, self._serve_endpoint)
             if self._listener is None:

@@ -79,7 +79,7 @@ async def serve(config: DecodeConfig) -> None:
     wakeup = asyncio.Event()  # shared with the prefill half when also_colocated
     engine = build_engine(config, model, spec, grammars, wakeup)
     metrics = DecodeMetrics()
-    receiver = connector.make_consumer("ucx")
+    receiver = connector.make_consumer("ucx", config.advertise_host)
     redis = redis_client.connect(config.redis_url)
     registry = WorkerRegistry(redis, config.lease_s)
     channels = ChannelPool(config)

@@ -14,9 +14,10 @@ import redis
 
 from distserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.builders import generate, sampling, token_request
-from tests.listening_sockets import listening_ips, wildcard_ports
+from tests.listening_sockets import listening_ips, listening_ips_of, wildcard_ports
 from tests.security.conftest import GRAMMAR_COMPILE_TIMEOUT_S
 
+LOOPBACK = {"127.0.0.1", "::1"}
 # Ambiguous and recursive: xgrammar spends minutes on it, though it is 8 KiB, under the 64 KiB size cap.
 SLOW_GRAMMAR = "root ::= r0\n" + "\n".join(
     f'r{i} ::= r{i + 1} r{i + 1} | "a{i}" r{i + 1} | [^q]*' for i in range(200)) + '\nr200 ::= "b"'
@@ -74,8 +75,9 @@ def test_a_request_over_the_routers_message_cap_is_refused(signed_cluster):
 
 
 def test_nothing_listens_on_every_interface(signed_cluster):
-    """Every gRPC, metrics, HTTP and UCX port binds the address its process advertises (loopback here):
-    the prefill workers' UCX listeners too (distserve.transfer.bound_listener)."""
+    """Every gRPC, metrics, HTTP and UCX port binds the address its process advertises, loopback here:
+    the prefill workers' UCX listeners too (distserve.transfer.bound_listener), and UCX's TCP transport
+    in prefill and decode workers (distserve.transfer.ucx_devices)."""
     client = redis.Redis.from_url(signed_cluster.redis_url)
     ucx_ports = {int(json.loads(client.get(key))["ucx_address"].rpartition(":")[2])
                  for key in client.keys("distserve:worker:prefill:*")}
@@ -85,4 +87,5 @@ def test_nothing_listens_on_every_interface(signed_cluster):
     for name, process in signed_cluster.processes.items():
         ports = wildcard_ports(process.popen.pid)
         assert not ports, f"{name} listens on every interface at {sorted(ports)}"
-
+        outside = listening_ips_of(process.popen.pid) - LOOPBACK
+        assert not outside, f"{name} listens on {sorted(outside)}"
