@@ -22,10 +22,16 @@ import torch
 from benchmarks.results_io import write_results
 
 
+def _kv_shape(mb: int) -> tuple[int, ...]:
+    """A KV buffer's shape ([L, 2, T, Hkv, D], as a prefill worker holds it) of `mb` MiB in float32: the
+    sender reads its token axis (partial pulls)."""
+    return (1, 2, mb * 1024 * 1024 // 4 // (2 * 8 * 64), 8, 64)
+
+
 def _sender(sizes_mb: list[int], port_queue, stop_event) -> None:
     from distserve.transfer.ucx_transfer import KvSender, stop_ucx
 
-    buffers = {f"h{mb}": torch.ones(mb * 1024 * 1024 // 4, dtype=torch.float32) for mb in sizes_mb}
+    buffers = {f"h{mb}": torch.ones(_kv_shape(mb), dtype=torch.float32) for mb in sizes_mb}
 
     async def main():
         sender = KvSender(lookup=buffers.get, on_sent=lambda handle_id, num_bytes, seconds: None)
@@ -44,11 +50,11 @@ async def _receive(port: int, sizes_mb: list[int], repeats: int) -> dict:
     init_ucx()  # as a decode worker does at start-up
     receiver = KvReceiver()
     address = f"127.0.0.1:{port}"
-    warm = torch.empty(1024 * 1024 // 4)
+    warm = torch.empty(_kv_shape(1))
     results = {"first_pull_s_1mb_incl_connect": await receiver.fetch(address, "h1", warm, 60) if 1 in sizes_mb else None}
     rows = []
     for mb in sizes_mb:
-        out = torch.empty(mb * 1024 * 1024 // 4, dtype=torch.float32)
+        out = torch.empty(_kv_shape(mb), dtype=torch.float32)
         seconds = [await receiver.fetch(address, f"h{mb}", out, 120) for _ in range(repeats)]
         assert bool((out == 1).all()), "received bytes differ from the sent buffer"
         best = min(seconds)
