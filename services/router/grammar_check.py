@@ -83,8 +83,9 @@ class GrammarChecker:
     async def problem(self, spec) -> str:
         """"" when spec (a structured.StructuredSpec) compiles within timeout_s, else why not, starting with
         its kind ("regex: ..."), fit for INVALID_ARGUMENT. Raises CompilerBusy when no verdict came within
-        wait_s, RuntimeError when the compiler process cannot start (neither is cached). A caller cancelled while it waits leaves the compile running (its answer is cached):
-        the child's pipe must never hold an answer nobody reads."""
+        wait_s, RuntimeError when the compiler process cannot start (neither is cached). A caller
+        cancelled while it waits leaves the compile running (its answer is cached): the child's pipe must
+        never hold an answer nobody reads."""
         verdict = self._verdicts.get(spec)
         if verdict is not None:
             return verdict

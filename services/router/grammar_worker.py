@@ -23,6 +23,7 @@ import select
 import signal
 import sys
 
+
 def main(argv: list[str]) -> int:
     os.nice(10)  # below serving, forks included
     answers = os.fdopen(os.dup(1), "w")
