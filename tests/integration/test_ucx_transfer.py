@@ -5,6 +5,7 @@ once, then fail with a checksum error."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -307,6 +308,11 @@ async def test_a_sender_given_a_host_listens_there_only_and_serves_pulls_through
         assert listening_ips(port) == {"127.0.0.1"}
         await receiver.fetch(f"127.0.0.1:{port}", "B", out, 10, "owner", secret="router-minted-secret", crc32c=crc)
         assert torch.equal(out, kv)
+        # The endpoint stays pooled, its sender waiting for the next header: that wait must sleep. (An
+        # endpoint made without Python futures polls with asyncio.sleep(0): 60% of a core, idle.)
+        cpu_before = time.process_time()
+        await asyncio.sleep(1.0)
+        assert time.process_time() - cpu_before < 0.3
     finally:
         await receiver.close()
         sender.stop()

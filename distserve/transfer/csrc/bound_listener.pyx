@@ -46,7 +46,9 @@ def create_listener(UCXWorker worker, str host, uint16_t port, cb_func, tuple cb
     cdef dict callback = {"cb_func": cb_func, "cb_args": cb_args, "on_error": on_error,
                           "listener": weakref.ref(listener)}
     listener._cb_data = callback
-    listener._enable_python_future = False
+    # As ucxx's own listener: the endpoints it makes wait on Python futures like the worker's, where
+    # False would make every wait a busy poll (await asyncio.sleep(0)) on an idle pooled endpoint.
+    listener._enable_python_future = worker._enable_python_future
     cdef string c_host = host.encode()
     cdef HostListenerBuilder* builder = new HostListenerBuilder(
         worker.get_ucxx_shared_ptr(), port, _on_connection, <void*>callback)
