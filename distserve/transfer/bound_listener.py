@@ -75,6 +75,8 @@ def build(directory: Path) -> Path:
     from distserve.engine.cpu_kernels import build_guard
 
     library = _library(directory)
+    if library.is_file():  # built before (setup does): no lock to take
+        return library
     with build_guard(directory):
         if library.is_file():
             return library

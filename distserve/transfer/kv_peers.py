@@ -36,17 +36,30 @@ def host_of(address: str) -> str:
 
 
 async def resolve(host: str) -> set[str]:
-    """Every IP `host` names (itself when it is an IP); empty when it does not resolve."""
+    """Every IP `host` names (itself when it is an IP); empty when it does not resolve. A name is looked
+    up off the event loop (as loop.getaddrinfo does)."""
+    if (literal := _ip_literal(host.strip("[]"))) is not None:
+        return literal
+    return await asyncio.get_running_loop().run_in_executor(None, resolve_blocking, host)
+
+
+def resolve_blocking(host: str) -> set[str]:
+    """resolve(), for callers outside an event loop (start-up)."""
     host = host.strip("[]")
+    if (literal := _ip_literal(host)) is not None:
+        return literal
     try:
-        return {str(ipaddress.ip_address(host))}
-    except ValueError:
-        pass
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         return set()
     return {str(ipaddress.ip_address(info[4][0])) for info in infos}
+
+
+def _ip_literal(host: str) -> set[str] | None:
+    try:
+        return {str(ipaddress.ip_address(host))}
+    except ValueError:
+        return None
 
 
 class KvPeerPolicy:

@@ -16,7 +16,7 @@ import os
 import socket
 import struct
 
-from distserve.transfer.kv_peers import WILDCARD_HOSTS
+from distserve.transfer.kv_peers import WILDCARD_HOSTS, resolve_blocking
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,7 @@ def excluded_devices(advertise_host: str, interfaces: dict[str, set[str]]) -> st
     behind NAT, or no other interface)."""
     if advertise_host in WILDCARD_HOSTS:
         return None
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(advertise_host, None)}
-    except socket.gaierror:
-        return None
+    addresses = resolve_blocking(advertise_host)
     holding = {name for name, held in interfaces.items() if held & addresses}
     others = sorted(set(interfaces) - holding)
     if not holding or not others:
